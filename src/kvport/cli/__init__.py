@@ -1,0 +1,1 @@
+"""The ``kvport`` command line: one module per command group, wired together in :mod:`main`."""

@@ -1,0 +1,43 @@
+"""``kvport bench SUITE [--quick] [--json PATH]``: run a benchmark suite, print its JSON report."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import click
+
+from kvport.bench import SUITES
+from kvport.bench.harness import Report, SuiteOptions
+from kvport.errors import UserInputError
+
+
+def run_suite(name: str, opts: SuiteOptions) -> Report:
+    if name not in SUITES:
+        raise UserInputError(f"unknown suite {name!r}: expected one of {', '.join(sorted(SUITES))}")
+    mod = importlib.import_module(SUITES[name])
+    report: Report = mod.run(opts)
+    return report
+
+
+@click.command(context_settings={"ignore_unknown_options": False})
+@click.argument("suite")
+@click.option("--quick", is_flag=True, help="smaller sizes and fewer trials (CI, smoke runs)")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="also write the report here")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="suite-specific option (repeatable)")
+def bench(suite: str, quick: bool, json_path: str | None, sets: tuple[str, ...]) -> None:
+    """Run benchmark SUITE and print its JSON report (suite, conditions, limits, results)."""
+    extra: dict[str, object] = {}
+    for item in sets:
+        if "=" not in item:
+            raise UserInputError(f"--set expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        try:
+            extra[k] = json.loads(v)
+        except json.JSONDecodeError:
+            extra[k] = v
+    report = run_suite(suite, SuiteOptions(quick=quick, extra=extra))
+    text = report.to_json()
+    if json_path:
+        report.write(json_path)
+    click.echo(text)

@@ -1,0 +1,83 @@
+"""``kvport size``: the KV size calculator and ideal transfer lower bound."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import click
+
+from kvport.errors import UserInputError
+from kvport.spec import KVSpec, preset_names, resolve
+from kvport.units import format_bytes, format_seconds, parse_bandwidth, parse_size
+
+
+@dataclass(frozen=True, slots=True)
+class SizeReport:
+    model: str
+    dtype: str
+    tokens: int
+    tp_size: int
+    latent: bool
+    kv_bytes: int
+    bytes_per_token: int
+    bytes_per_token_layer: int
+    bytes_per_layer: int
+    bytes_per_block: int
+    block_size: int
+    bandwidth_bytes_per_second: float | None
+    ideal_transfer_seconds: float | None
+    memory_bytes: int | None
+    tokens_fitting: int | None
+    note: str = ("ideal_transfer_seconds = kv_bytes / bandwidth is a lower bound: real transfers add "
+                 "serialization and synchronization (see `kvport bench transfer`)")
+
+
+def compute(spec: KVSpec, tokens: int, bandwidth: float | None, memory: int | None) -> SizeReport:
+    if tokens <= 0:
+        raise UserInputError(f"--tokens must be positive, got {tokens}")
+    kv = spec.request_bytes(tokens)
+    return SizeReport(
+        model=spec.model_id, dtype=spec.dtype.value, tokens=tokens, tp_size=spec.tp_size,
+        latent=spec.latent, kv_bytes=kv, bytes_per_token=spec.bytes_per_token,
+        bytes_per_token_layer=spec.bytes_per_token_layer, bytes_per_layer=spec.layer_bytes(tokens),
+        bytes_per_block=spec.bytes_per_block, block_size=spec.block_size,
+        bandwidth_bytes_per_second=bandwidth,
+        ideal_transfer_seconds=None if bandwidth is None else kv / bandwidth,
+        memory_bytes=memory, tokens_fitting=None if memory is None else memory // spec.bytes_per_token,
+    )
+
+
+@click.command()
+@click.option("--model", required=True, help=f"preset ({', '.join(preset_names())}) or a config.json path")
+@click.option("--tokens", required=True, type=int, help="tokens of KV (prompt + generated)")
+@click.option("--dtype", default=None, help="KV element type: fp32, fp16, bf16, fp8 (default: the model's)")
+@click.option("--bandwidth", default=None, help="effective link bandwidth, e.g. 20GiB/s, 100Gbps")
+@click.option("--memory", default=None, help="memory budget for KV, e.g. 80GiB")
+@click.option("--block-size", default=16, type=int, show_default=True, help="tokens per block")
+@click.option("--tp", "tp_size", default=1, type=int, show_default=True, help="tensor-parallel size (per-rank sizes)")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def size(model: str, tokens: int, dtype: str | None, bandwidth: str | None, memory: str | None,
+         block_size: int, tp_size: int, as_json: bool) -> None:
+    """KV bytes for a model and prompt length; ideal transfer time; tokens that fit in memory."""
+    spec = resolve(model, dtype=dtype, block_size=block_size, tp_size=tp_size)
+    rep = compute(spec, tokens, None if bandwidth is None else parse_bandwidth(bandwidth),
+                  None if memory is None else parse_size(memory))
+    if as_json:
+        click.echo(json.dumps(asdict(rep), indent=2))
+        return
+    lines = [
+        f"model            {rep.model} ({rep.dtype}{', MLA latent' if rep.latent else ''}, tp={rep.tp_size})",
+        f"tokens           {rep.tokens:,}",
+        f"KV total         {format_bytes(rep.kv_bytes)} ({rep.kv_bytes:,} bytes)",
+        f"per token        {format_bytes(rep.bytes_per_token)} ({rep.bytes_per_token_layer:,} bytes per layer)",
+        f"per layer        {format_bytes(rep.bytes_per_layer)}",
+        f"per block        {format_bytes(rep.bytes_per_block)} ({rep.block_size} tokens)",
+    ]
+    if rep.ideal_transfer_seconds is not None and rep.bandwidth_bytes_per_second is not None:
+        lines.append(f"ideal transfer   {format_seconds(rep.ideal_transfer_seconds)} at "
+                     f"{format_bytes(rep.bandwidth_bytes_per_second)}/s (lower bound; real transfers add "
+                     "serialization + sync)")
+    if rep.tokens_fitting is not None and rep.memory_bytes is not None:
+        lines.append(f"fits in memory   {rep.tokens_fitting:,} tokens in {format_bytes(rep.memory_bytes)}")
+    click.echo("\n".join(lines))

@@ -1,0 +1,61 @@
+"""One typed configuration, built once from environment variables (``KVPORT_*``) and flags.
+
+This is the only module of kvport that reads ``os.environ``. Everything else receives a
+:class:`Settings` (or one of its small value objects) explicitly.
+
+==========================  =====================================================  ===========================
+variable                    meaning                                                default
+==========================  =====================================================  ===========================
+KVPORT_HOME                 cache folder (converted reference model, profiles)      ~/.cache/kvport
+KVPORT_MODEL_DIR            converted reference model folder (HF format)            $KVPORT_HOME/models/smollm2
+KVPORT_PROFILE              calibration profile path                                $KVPORT_HOME/profile.json
+KVPORT_REDIS_URL            Redis tier URL                                          (none)
+KVPORT_AUTH_TOKEN           shared secret for non-loopback servers                  (none)
+KVPORT_LOG_LEVEL            logging level                                           WARNING
+==========================  =====================================================  ===========================
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvport.errors import ConfigError
+
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    home: Path
+    model_dir: Path
+    profile_path: Path
+    redis_url: str | None = None
+    auth_token: str | None = field(default=None, repr=False)
+    log_level: str = "WARNING"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        e = os.environ if env is None else env
+        home = Path(e.get("KVPORT_HOME") or Path.home() / ".cache" / "kvport").expanduser()
+        level = e.get("KVPORT_LOG_LEVEL", "WARNING").upper()
+        if level not in _LEVELS:
+            raise ConfigError(f"KVPORT_LOG_LEVEL={level!r}: expected one of {', '.join(_LEVELS)}")
+        return cls(
+            home=home,
+            model_dir=Path(e.get("KVPORT_MODEL_DIR") or home / "models" / "smollm2-135m-instruct"),
+            profile_path=Path(e.get("KVPORT_PROFILE") or home / "profile.json"),
+            redis_url=e.get("KVPORT_REDIS_URL") or None,
+            auth_token=e.get("KVPORT_AUTH_TOKEN") or None,
+            log_level=level,
+        )
+
+
+def subprocess_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of this process's environment for child processes (workers, servers, vLLM)."""
+    env = dict(os.environ)
+    if extra:
+        env.update(extra)
+    return env

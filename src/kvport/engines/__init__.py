@@ -1,0 +1,1 @@
+"""Engine adapters: transformers prefix reuse, the vLLM KV connector."""

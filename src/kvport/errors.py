@@ -1,0 +1,185 @@
+"""One exception tree for all of kvport.
+
+Every error kvport raises on purpose is a :class:`KVPortError`. Foreign errors (OSError, socket
+errors, redis-py, torch, msgpack) are mapped at the boundary where they occur, ``raise X(...) from exc``,
+so callers catch kvport types only. Backpressure is *not* an error: admission returns a
+``Rejected(reason, retry_after)`` value; only a timed-out wait raises :class:`BackpressureTimeout`.
+
+::
+
+    KVPortError
+    ├── UserInputError                 bad input from a person or a config file (CLI exit code 2)
+    │   ├── UnitError                  "20 GiB/s" style strings that do not parse
+    │   ├── UnknownModelError          not a preset and not a config.json
+    │   ├── SpecError                  invalid or inconsistent KVSpec fields / config.json
+    │   └── ConfigError                invalid setting (KVPORT_* env, flags, profile file)
+    ├── KeyingError                    tokens that cannot be keyed (wrong dtype/shape, out of range)
+    ├── CodecError
+    │   ├── UnknownCodecError          codec id not in the registry
+    │   ├── CodecParamsError           parameters that do not match the spec / the buffers
+    │   └── CorruptPayloadError        truncated or corrupted encoded payload
+    ├── TierError
+    │   ├── BufferMismatchError        caller buffer of wrong size / dtype / layout
+    │   ├── TierFullError              no space (pool exhausted, ENOSPC, quota)
+    │   ├── CorruptBlockError          stored bytes fail their checksum or are truncated
+    │   ├── TierUnavailableError       the backing service is down (Redis, remote server)
+    │   └── BlockNotFoundError         a get of a key the tier does not hold
+    ├── OwnershipError
+    │   ├── IllegalMoveError           a state transition the ledger does not allow
+    │   ├── UnknownBlockError          the ledger has no record of that block
+    │   └── LeaseError                 lease expired / not held / wrong holder
+    ├── TransferError                  the caller should fall back to recompute
+    │   ├── ProtocolError              bad magic, unknown version, truncated or oversized frame
+    │   ├── IncompatibleSpecError      receiver refused the sender's spec (names the field)
+    │   ├── ChecksumError              payload chunk failed its checksum
+    │   ├── PeerError                  connection reset, peer died, peer stopped reading
+    │   ├── AuthError                  handshake failed / missing token
+    │   └── BackpressureTimeout        waited for credits longer than the timeout
+    ├── PlannerError
+    │   └── ProfileError               missing, stale or malformed calibration profile
+    ├── ServerError                    a remote kvport server answered with an error
+    └── EngineError                    engine adapter could not load / store KV
+"""
+
+from __future__ import annotations
+
+
+class KVPortError(Exception):
+    """Root of every error kvport raises on purpose."""
+
+
+# ---------------------------------------------------------------- user input
+class UserInputError(KVPortError):
+    """Bad input from a person or a file: the CLI prints the message (no traceback) and exits 2."""
+
+
+class UnitError(UserInputError):
+    pass
+
+
+class UnknownModelError(UserInputError):
+    pass
+
+
+class SpecError(UserInputError):
+    pass
+
+
+class ConfigError(UserInputError):
+    pass
+
+
+# ---------------------------------------------------------------- keys
+class KeyingError(KVPortError):
+    pass
+
+
+# ---------------------------------------------------------------- codecs
+class CodecError(KVPortError):
+    pass
+
+
+class UnknownCodecError(CodecError):
+    pass
+
+
+class CodecParamsError(CodecError):
+    pass
+
+
+class CorruptPayloadError(CodecError):
+    pass
+
+
+# ---------------------------------------------------------------- tiers
+class TierError(KVPortError):
+    pass
+
+
+class BufferMismatchError(TierError):
+    pass
+
+
+class TierFullError(TierError):
+    pass
+
+
+class CorruptBlockError(TierError):
+    pass
+
+
+class TierUnavailableError(TierError):
+    pass
+
+
+class BlockNotFoundError(TierError):
+    pass
+
+
+# ---------------------------------------------------------------- ownership
+class OwnershipError(KVPortError):
+    pass
+
+
+class IllegalMoveError(OwnershipError):
+    pass
+
+
+class UnknownBlockError(OwnershipError):
+    pass
+
+
+class LeaseError(OwnershipError):
+    pass
+
+
+# ---------------------------------------------------------------- transfer
+class TransferError(KVPortError):
+    """Any failure of a KV transfer; the caller should recompute the affected tokens."""
+
+
+class ProtocolError(TransferError):
+    pass
+
+
+class IncompatibleSpecError(TransferError):
+    """The receiver refused the sender's KV: ``field`` names the first mismatching field."""
+
+    def __init__(self, field: str, expected: object, got: object) -> None:
+        super().__init__(f"incompatible KV: {field} expected {expected!r}, got {got!r}")
+        self.field = field
+        self.expected = expected
+        self.got = got
+
+
+class ChecksumError(TransferError):
+    pass
+
+
+class PeerError(TransferError):
+    pass
+
+
+class AuthError(TransferError):
+    pass
+
+
+class BackpressureTimeout(TransferError):
+    pass
+
+
+# ---------------------------------------------------------------- planner / server / engines
+class PlannerError(KVPortError):
+    pass
+
+
+class ProfileError(PlannerError):
+    pass
+
+
+class ServerError(KVPortError):
+    pass
+
+
+class EngineError(KVPortError):
+    pass

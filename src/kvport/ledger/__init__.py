@@ -1,0 +1,1 @@
+"""Ownership ledger: owners, hand-offs, leases and pins; the only place that changes a block's owner."""

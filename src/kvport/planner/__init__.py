@@ -1,0 +1,1 @@
+"""Transfer vs recompute vs compress: cost model and calibration profile."""

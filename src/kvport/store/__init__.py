@@ -1,0 +1,1 @@
+"""TieredStore: lookup, put/get, promotion and eviction across tiers, prefetch, lifetimes."""

@@ -36,7 +36,8 @@ so callers catch kvport types only. Backpressure is *not* an error: admission re
     │   ├── AuthError                  handshake failed / missing token
     │   └── BackpressureTimeout        waited for credits longer than the timeout
     ├── PlannerError
-    │   └── ProfileError               missing, stale or malformed calibration profile
+    │   ├── ProfileError               missing, stale or malformed calibration profile
+    │   └── PlanInputError             nonsense request or observation (negative length, zero bandwidth)
     ├── ServerError                    a remote kvport server answered with an error
     └── EngineError                    engine adapter could not load / store KV
 """
@@ -174,6 +175,10 @@ class PlannerError(KVPortError):
 
 
 class ProfileError(PlannerError):
+    pass
+
+
+class PlanInputError(PlannerError):
     pass
 
 

@@ -10,5 +10,12 @@ from __future__ import annotations
 
 # suite name -> module that defines ``run(opts: SuiteOptions) -> Report``
 SUITES: dict[str, str] = {
+    "codec": "kvport.bench.codec",
     "hash": "kvport.bench.hash",
+    "planner": "kvport.bench.planner",
+    "server": "kvport.bench.server",
+    "prefix": "kvport.bench.prefix",
+    "tiers": "kvport.bench.tiers",
+    "transfer": "kvport.bench.transfer",
+    "trace": "kvport.bench.trace",
 }

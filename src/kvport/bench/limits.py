@@ -125,3 +125,43 @@ def raw_disk_gbps(folder: str | Path, nbytes: int, trials: int = 3, fsync: bool 
     w.sort()
     r.sort()
     return {"write_gbps": gbps(nbytes, w[len(w) // 2]), "read_gbps": gbps(nbytes, r[len(r) // 2])}
+
+
+def raw_redis_gbps(url: str, values: list[memoryview], trials: int = 3) -> dict[str, float | None]:
+    """Raw redis-py (hiredis parser) SET and GET of ``values`` (each well under 512 MiB) in one
+    pipeline per direction, against the server at ``url``. Returns {"set_gbps", "get_gbps"}; None
+    for a direction that failed. The ceiling the Redis tier is compared with."""
+    import redis
+
+    nbytes = sum(v.nbytes for v in values)
+    names = [f"kvport-raw:{i}".encode() for i in range(len(values))]
+    out: dict[str, float | None] = {"set_gbps": None, "get_gbps": None}
+    try:
+        r = redis.Redis.from_url(url, socket_timeout=60)
+        ws: list[float] = []
+        rs: list[float] = []
+        for _ in range(trials + 1):
+            r.delete(*names)
+            t0 = time.perf_counter()
+            p = r.pipeline(transaction=False)
+            for k, v in zip(names, values, strict=True):
+                p.set(k, v)
+            p.execute()
+            ws.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            p = r.pipeline(transaction=False)
+            for k in names:
+                p.get(k)
+            got = p.execute()
+            rs.append(time.perf_counter() - t0)
+            if sum(len(g) for g in got) != nbytes:
+                return out
+            del got
+        r.delete(*names)
+        r.close()
+    except redis.RedisError:
+        return out
+    ws, rs = sorted(ws[1:]), sorted(rs[1:])
+    out["set_gbps"] = gbps(nbytes, ws[len(ws) // 2])
+    out["get_gbps"] = gbps(nbytes, rs[len(rs) // 2])
+    return out

@@ -25,7 +25,10 @@ def run_suite(name: str, opts: SuiteOptions) -> Report:
 @click.option("--quick", is_flag=True, help="smaller sizes and fewer trials (CI, smoke runs)")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="also write the report here")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="suite-specific option (repeatable)")
-def bench(suite: str, quick: bool, json_path: str | None, sets: tuple[str, ...]) -> None:
+@click.option("--trace", "trace_path", default=None, type=click.Path(dir_okay=False), help="trace suite: trace file")
+@click.option("--capacity", default=None, help="trace suite: capacity (10%, a block count, or a size like 20GiB)")
+def bench(suite: str, quick: bool, json_path: str | None, sets: tuple[str, ...], trace_path: str | None,
+          capacity: str | None) -> None:
     """Run benchmark SUITE and print its JSON report (suite, conditions, limits, results)."""
     extra: dict[str, object] = {}
     for item in sets:
@@ -36,6 +39,10 @@ def bench(suite: str, quick: bool, json_path: str | None, sets: tuple[str, ...])
             extra[k] = json.loads(v)
         except json.JSONDecodeError:
             extra[k] = v
+    if trace_path is not None:
+        extra["trace"] = trace_path
+    if capacity is not None:
+        extra["capacity"] = capacity
     report = run_suite(suite, SuiteOptions(quick=quick, extra=extra))
     text = report.to_json()
     if json_path:

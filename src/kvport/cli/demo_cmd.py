@@ -6,8 +6,12 @@ import click
 
 
 @click.command()
-def demo() -> None:
-    """Run the main job and print its report."""
-    from kvport.demo.run import run
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="also write the report here")
+@click.option("--users", default=3, show_default=True, type=click.IntRange(1, 4))
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, 4))
+@click.option("--max-new-tokens", default=24, show_default=True, type=click.IntRange(1, 256))
+def demo(json_path: str | None, users: int, rounds: int, max_new_tokens: int) -> None:
+    """Prefill/decode disaggregation of a multi-turn chat on the reference model, with a report."""
+    from kvport.demo.run import main_cli
 
-    run()
+    main_cli(json_path, users, rounds, max_new_tokens)

@@ -7,7 +7,11 @@ import sys
 
 import click
 
-from kvport.cli import bench_cmd, demo_cmd, size_cmd
+from kvport.cli import bench_cmd, demo_cmd, eval_cmd, size_cmd
+from kvport.cli.calibrate_cmd import calibrate_cmd
+from kvport.cli.inspect_cmd import inspect_cmd
+from kvport.cli.plan_cmd import plan
+from kvport.cli.serve_cmd import serve_cmd
 from kvport.config import Settings
 from kvport.errors import KVPortError, UserInputError
 
@@ -26,6 +30,11 @@ def cli() -> None:
 cli.add_command(size_cmd.size)
 cli.add_command(bench_cmd.bench)
 cli.add_command(demo_cmd.demo)
+cli.add_command(eval_cmd.eval_group)
+cli.add_command(serve_cmd)
+cli.add_command(inspect_cmd)
+cli.add_command(plan)
+cli.add_command(calibrate_cmd, name="calibrate")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,1 +1,21 @@
-"""KV codecs: raw, lossless, int8, kivi4, mixed. Encode/decode into caller-provided buffers."""
+"""KV codecs: raw, lossless, int8, kivi4, mixed. Encode/decode into caller-provided buffers.
+
+::
+
+    codec = get_codec("kivi4", group=128)          # id + params, as carried by keys and wire headers
+    enc = codec.encode(k, v, spec)                 # k, v: (layers, heads, tokens, dim) in spec.dtype
+    codec.decode(enc, k_out, v_out)                # into caller tensors of the same shape and dtype
+    blob = encode_block(codec, spec, block_bytes)  # bytes form: canonical LKHTD block -> framed bytes
+    decode_block(blob, spec, dst)                  # framed bytes -> caller buffer, fully validated
+
+Codec ids and params are msgpack-able (``codec_to_dict``) and name the codec in block keys
+(``codec_key`` for ``KeyContext.codec_id``).
+"""
+
+from kvport.codec import int8, kivi4, lossless, mixed, raw  # noqa: F401  (registers the codecs)
+from kvport.codec.base import Codec, Encoded, KVShape
+from kvport.codec.frame import FrameInfo, decode_block, encode_block, peek_header
+from kvport.codec.registry import codec_from_dict, codec_ids, codec_key, codec_to_dict, get_codec
+
+__all__ = ["Codec", "Encoded", "FrameInfo", "KVShape", "codec_from_dict", "codec_ids", "codec_key",
+           "codec_to_dict", "decode_block", "encode_block", "get_codec", "peek_header"]

@@ -1,25 +1,261 @@
-"""``kvport demo``: for now the calculator on the source documents' example and the hash benchmark.
+"""``kvport demo``: prefill/decode disaggregation of a multi-turn chat on the reference model.
 
-The prefill/decode disaggregation scenario replaces this once the engine integration lands.
+Processes (all on 127.0.0.1, started and stopped here)::
+
+    router (this process) ---- control pipes (msgpack) ----+----------------------+
+       |  baseline: the same chat, single process,         |                      |
+       |  no kvport (the outputs every turn must equal)    v                      v
+       |                                           prefill worker  ==TCP==>  decode worker
+       |                                           (planner, load,  layer by   (receive, decode,
+       |                                            compute, send)  layer,     store the session)
+       |                                                 |          credits         |
+       +-- shared tier: `kvport serve` (host + disk) <---+--- lookup/get      put ---+
+
+Per turn the router sends ``expect`` to the decode worker and ``prefill`` to the prefill worker, then
+``decode`` with the first token. Turn n+1 of a user extends turn n's tokens, so its prompt's KV is
+found in the shared tier (stored there by the decode worker) and only the new question is computed.
+Before round ``restart_before_round`` the decode worker is killed and started again; the session KV
+survives in the shared tier. Everything runs with embedded defaults (no external service).
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
 import click
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvport.bench import hash as hash_suite
-from kvport.bench.harness import SuiteOptions
-from kvport.spec import from_preset
-from kvport.units import format_bytes, parse_bandwidth
+from kvport.bench.limits import raw_socket_gbps
+from kvport.config import Settings
+from kvport.demo import decode_worker, messages, prefill_worker
+from kvport.demo.quiet import quiet_transformers
+from kvport.demo.report import Turn, render, summarize
+from kvport.demo.workload import Conversation, Workload, default_workload
+from kvport.errors import KVPortError, PeerError
+from kvport.spec import DType, from_hf_config
 
 
-def run() -> None:
-    spec = from_preset("llama-3.1-8b", dtype="fp16")
-    kv = spec.request_bytes(65536)
-    bw = parse_bandwidth("20GiB/s")
-    click.echo(f"Llama-3.1-8B fp16, 65,536 tokens: {format_bytes(kv)} of KV; "
-               f"ideal transfer at 20 GiB/s >= {kv / bw:.3f} s")
-    rep = hash_suite.run(SuiteOptions(quick=True))
-    r = rep.results
-    click.echo(f"chained keys: {r['blocks_per_second_256']:,} blocks/s of 256 tokens "
-               f"({r['vs_raw_hash_256']:.2f} of raw xxh3-128)")
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    users: int = 3
+    rounds: int = 3
+    max_new_tokens: int = 24
+    restart_before_round: int | None = 3  # 1-based; None or > rounds: never restart
+    threads: int = 1  # intra-op threads per process (two processes share 2 cores)
+    receive_budget_bytes: int = 4 << 20  # decode worker's receive buffer: the credit budget
+    measure_link: bool = True  # raw socket bandwidth for the ideal bound (off: the bound is reported None)
+    show_progress: bool = True
+
+
+class _Worker:
+    """A spawned worker process and its control pipe."""
+
+    def __init__(self, name: str, target: Any, cfg: dict[str, Any]) -> None:
+        ctx = mp.get_context("spawn")
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        self.proc: BaseProcess = ctx.Process(target=target, args=(child, cfg), name=name, daemon=True)
+        self.proc.start()
+        child.close()
+
+    def ready(self, timeout_s: float) -> dict[str, Any]:
+        msg = self.recv(timeout_s)
+        if not msg.get("ok"):
+            raise PeerError(f"{self.name} failed to start: {msg.get('error')}")
+        return msg
+
+    def recv(self, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.conn.poll(0.2):
+                return messages.recv(self.conn)
+            if not self.proc.is_alive():
+                raise PeerError(f"{self.name} exited (code {self.proc.exitcode})")
+        raise PeerError(f"{self.name}: no answer within {timeout_s} s")
+
+    def call(self, msg: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
+        self.send(msg)
+        ans = self.recv(timeout_s)
+        if not ans.get("ok"):
+            raise PeerError(f"{self.name}: {ans.get('error')}")
+        return ans
+
+    def send(self, msg: dict[str, Any]) -> None:
+        messages.send(self.conn, msg)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.terminate()
+        self.proc.join(10)
+        self.conn.close()
+
+    def stop(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call({"op": "stop"}, timeout_s=20)
+        except (KVPortError, OSError):
+            pass
+        self.kill()
+
+
+def _baseline(model_dir: Path, wl: Workload, threads: int, progress: Progress | None) -> tuple[list[Turn], Any]:
+    """The same chat in this process with plain transformers and no kvport: outputs and TTFT per turn."""
+    from kvport.engines.hf import HFEngine
+    from kvport.refmodel import load
+
+    torch.set_num_threads(threads)
+    quiet_transformers()
+    model, tok = load(model_dir)
+    plain = HFEngine(model, from_hf_config(model_dir, dtype=DType.FP32), None)
+    task = progress.add_task("baseline (single process, no kvport)", total=wl.users * wl.rounds) if progress else None
+    convs = [Conversation(tok, wl.system, 2) for _ in range(wl.users)]
+    plain.generate(convs[0].prompt("warm up"), 2)  # first-call allocations out of the timed turns
+    turns: list[Turn] = []
+    for r in range(wl.rounds):
+        for u in range(wl.users):
+            prompt = convs[u].prompt(wl.questions[u][r])
+            res = plain.generate(prompt, wl.max_new_tokens)
+            convs[u].commit(prompt, list(res.tokens))
+            turns.append(Turn(r + 1, u + 1, f"u{u + 1}-r{r + 1}", len(prompt), list(res.tokens), res.ttft_s))
+            if progress is not None and task is not None:
+                progress.advance(task)
+    return turns, tok
+
+
+def run(opts: DemoOptions | None = None, json_path: Path | None = None,
+        console: Console | None = None) -> dict[str, Any]:
+    """Run the scenario end to end and print the report; returns the summary (also written to ``json_path``)."""
+    import json
+
+    from kvport.demo.shared_tier import SharedTier
+    from kvport.refmodel import prepare
+
+    opts = opts or DemoOptions()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # a log file or a pipe: wide enough for the report table
+            console = Console(width=160)
+    settings = Settings.from_env()
+    model_dir = prepare(settings.model_dir)
+    spec = from_hf_config(model_dir, dtype=DType.FP32)
+    wl = default_workload(opts.users, opts.rounds, opts.max_new_tokens)
+    errors: list[str] = []
+    restarts = 0
+    with tempfile.TemporaryDirectory(prefix="kvport-demo-") as tmp, Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=console, disable=not opts.show_progress, transient=False) as progress:
+        setup = progress.add_task("start: shared tier, prefill and decode workers", total=4)
+        shared = SharedTier(Path(tmp) / "shared")
+        workers: list[_Worker] = []
+        turns: list[Turn] = []
+        raw_gbps: float | None = None
+        try:
+            port = shared.start()
+            progress.advance(setup)
+            max_blocks = 1024  # 16k tokens: the decode worker's receive buffer, allocated once
+            dcfg = {"model_dir": str(model_dir), "shared_port": port, "threads": opts.threads,
+                    "budget_bytes": opts.receive_budget_bytes, "max_blocks": max_blocks}
+            pcfg = {"model_dir": str(model_dir), "shared_port": port, "threads": opts.threads,
+                    "host_bytes": 256 << 20}
+            pw = _Worker("prefill-worker", prefill_worker.main, pcfg)
+            dw = _Worker("decode-worker", decode_worker.main, dcfg)
+            workers += [pw, dw]
+            pw.ready(600)
+            progress.advance(setup)
+            dport = int(dw.ready(600)["port"])
+            pw.call({"op": "connect", "port": dport})
+            progress.advance(setup)
+            raw_gbps = raw_socket_gbps(32 << 20, trials=2) if opts.measure_link else None
+            progress.advance(setup)
+            turns, tok = _baseline(model_dir, wl, opts.threads, progress)
+            task = progress.add_task("kvport (prefill worker -> decode worker)", total=len(turns))
+            convs = [Conversation(tok, wl.system, 2) for _ in range(wl.users)]
+            shared_prefix = convs[0].shared_prefix_tokens()
+            restarted = False
+            d_replies: list[tuple[str, Turn | None]] = []  # answers the decode worker still owes, in order
+
+            def drain(until: Turn | None = None) -> None:
+                """Read the decode worker's answers up to ``until``'s decode (all when None)."""
+                while d_replies:
+                    kind, turn = d_replies.pop(0)
+                    ans = dw.recv(600)
+                    if not ans.get("ok"):
+                        raise PeerError(f"decode worker: {ans.get('error')}")
+                    if kind == "decoded" and turn is not None:
+                        turn.decode = ans
+                        turn.tokens = list(ans["tokens"])
+                        convs[turn.user - 1].commit(turn.prompt, turn.tokens)
+                        progress.advance(task)
+                        if turn is until:
+                            return
+
+            by_user: dict[int, Turn] = {}
+            for t in turns:
+                if opts.restart_before_round is not None and t.round == opts.restart_before_round and not restarted:
+                    drain()
+                    progress.update(task, description="restarting the decode worker")
+                    dw.kill()
+                    workers.remove(dw)
+                    dw = _Worker("decode-worker", decode_worker.main, dcfg)
+                    workers.append(dw)
+                    dport = int(dw.ready(600)["port"])
+                    pw.call({"op": "connect", "port": dport})
+                    restarts += 1
+                    restarted = True
+                    progress.update(task, description="kvport (prefill worker -> decode worker)")
+                prev = by_user.get(t.user)
+                if prev is not None and prev.tokens is None:
+                    drain(prev)  # the user's next prompt extends the previous answer
+                by_user[t.user] = t
+                t.prompt = convs[t.user - 1].prompt(wl.questions[t.user - 1][t.round - 1])
+                t.after_restart = restarted
+                try:
+                    # pipelined: the decode worker may still be decoding the previous turn while this
+                    # prefill streams; its receive budget then fills and the prefill waits for credits
+                    dw.send({"op": "expect", "rid": t.rid, "n_tokens": len(t.prompt)})
+                    d_replies.append(("expecting", None))
+                    t.prefill = pw.call({"op": "prefill", "rid": t.rid, "prompt": t.prompt})
+                    dw.send({"op": "decode", "rid": t.rid, "prompt": t.prompt,
+                             "first_token": t.prefill["first_token"], "max_new": wl.max_new_tokens,
+                             "hit_blocks": t.prefill["hit_tokens"] // spec.block_size,
+                             "shared_prefix_tokens": shared_prefix})
+                    d_replies.append(("decoded", t))
+                except KVPortError as exc:
+                    t.error = f"{type(exc).__name__}: {exc}"
+                    errors.append(f"{t.rid}: {t.error}")
+                    break
+            drain()
+        except KVPortError as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            for w in workers:
+                w.stop()
+            shared.stop()
+    cond = {"model": "SmolLM2-135M-Instruct fp32 (transformers)", "users": wl.users, "rounds": wl.rounds,
+            "max_new_tokens": wl.max_new_tokens, "threads_per_process": opts.threads,
+            "receive_budget_bytes": opts.receive_budget_bytes, "block_size": spec.block_size,
+            "bytes_per_token": spec.bytes_per_token, "bytes_per_block": spec.bytes_per_block,
+            "link": "tcp 127.0.0.1", "shared_tier": "kvport serve (host + disk), 127.0.0.1"}
+    summary = summarize(turns, raw_socket_gbps=raw_gbps, block_size=spec.block_size, restarts=restarts,
+                        errors=errors, conditions=cond)
+    render(console, turns, summary)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def main_cli(json_path: str | None, users: int, rounds: int, max_new_tokens: int) -> None:
+    summary = run(DemoOptions(users=users, rounds=rounds, max_new_tokens=max_new_tokens),
+                  Path(json_path) if json_path else None)
+    if not summary["outputs_equal_baseline"]:
+        click.echo("kvport demo: outputs differ from the baseline or the run failed (see above)", err=True)
+

@@ -1,1 +1,10 @@
-"""Quality harness: KV codecs judged on the reference model (perplexity, top-1 agreement, KL)."""
+"""Quality harness: KV codecs judged on the reference model (perplexity, top-1 agreement, KL).
+
+``evaluate(model, tokenizer, codecs, QualityOptions(tokens, windows, sets))`` -> :class:`QualityReport`;
+``kvport eval quality --codec NAME`` is the command-line form.
+"""
+
+from kvport.eval.quality import CodecQuality, QualityOptions, QualityReport, evaluate
+from kvport.eval.texts import TEXT_SETS, windows
+
+__all__ = ["TEXT_SETS", "CodecQuality", "QualityOptions", "QualityReport", "evaluate", "windows"]

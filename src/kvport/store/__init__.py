@@ -1,1 +1,15 @@
-"""TieredStore: lookup, put/get, promotion and eviction across tiers, prefetch, lifetimes."""
+"""TieredStore: lookup, put/get, promotion and eviction across tiers, prefetch, lifetimes.
+
+Public API: :class:`TieredStore`, :class:`LookupResult`, :class:`StoreStats`, :class:`TierPolicy`,
+:class:`WriteMode`, :class:`Lifetime`, :class:`LifetimeRule`, :class:`LifetimePolicy`,
+:class:`TierIndex` and the eviction policies (:func:`make_policy`, ``"lru"`` default, ``"lfu"``).
+"""
+
+from kvport.store.eviction import POLICIES, EvictionPolicy, LFUDAPolicy, LRUPolicy, make_policy
+from kvport.store.index import TierIndex
+from kvport.store.lifetime import Lifetime, LifetimePolicy, LifetimeRule
+from kvport.store.tiered import TieredStore
+from kvport.store.types import LookupResult, StoreStats, TierPolicy, WriteMode
+
+__all__ = ["POLICIES", "EvictionPolicy", "LFUDAPolicy", "LRUPolicy", "Lifetime", "LifetimePolicy", "LifetimeRule",
+           "LookupResult", "StoreStats", "TierIndex", "TierPolicy", "TieredStore", "WriteMode", "make_policy"]

@@ -1,1 +1,35 @@
-"""KV transfer: wire format, sender/receiver, transports (inproc, shm, tcp), credit-based backpressure."""
+"""KV transfer: wire format, sender/receiver, transports (inproc, shm, tcp), credit-based backpressure.
+
+Modules, bottom to top::
+
+    wire         frame encode/decode, MsgType, Limits (pure, no I/O)        docs/wire-format.md
+    transport    Transport protocol (send / recv_into / readable / close), TokenBucket, RateLimited
+    framing      FrameIO (sync) and read_frame_async / write_frame_async: adapters that fill buffers
+    tcp | shm | inproc | striped   transports; auth: HMAC handshake for non-loopback listeners
+    meta         TransferMeta (TRANSFER_BEGIN map) and check_compatible
+    credits      Backpressure, CreditWindow (sender), CreditPool (receiver), Admitted / Rejected
+    destination  Destination protocol: BlockTable, LayerMajor, HostTier
+    sender | receiver   the two ends of a transfer (layer-wise streaming, wait_for_layer)
+"""
+
+from kvport.transfer.credits import Admitted, Backpressure, Rejected
+from kvport.transfer.destination import (
+    BlockTableDestination,
+    Destination,
+    DestinationFactory,
+    HostTierDestination,
+    LayerMajorDestination,
+    host_tier_factory,
+)
+from kvport.transfer.meta import TransferMeta, check_compatible
+from kvport.transfer.receiver import Incoming, Receiver
+from kvport.transfer.sender import Outgoing, Sender
+from kvport.transfer.transport import RateLimited, TokenBucket, Transport
+from kvport.transfer.wire import Flags, Limits, MsgType
+
+__all__ = [
+    "Admitted", "Backpressure", "BlockTableDestination", "Destination", "DestinationFactory", "Flags",
+    "HostTierDestination", "Incoming", "LayerMajorDestination", "Limits", "MsgType", "Outgoing", "RateLimited",
+    "Receiver", "Rejected", "Sender", "TokenBucket", "TransferMeta", "Transport", "check_compatible",
+    "host_tier_factory",
+]

@@ -1,0 +1,163 @@
+"""``kvport bench prefix``: time to first token with a cached prefix against full recompute.
+
+Reference model (SmolLM2-135M-Instruct, fp32, transformers), a 2048-token prompt whose first 1920
+tokens (120 blocks of 16) sit in a host tier (a :class:`~kvport.store.TieredStore` over a
+:class:`~kvport.tiers.HostTier`); ``--quick``: 512 tokens, 480 cached. Per trial, interleaved so load
+drift hits every variant alike:
+
+* ``full``      no kvport: prefill all tokens (the baseline TTFT);
+* ``hit``       kvport: keys, lookup, load 1920 tokens' blocks, gather, prefill the last 128;
+* ``zero_hit``  kvport with an empty store: keys and lookup miss, prefill all tokens.
+
+``results.hf.ttft_speedup = full / hit`` (medians). ``results.hf.zero_hit_overhead`` is the work kvport
+adds to a request that finds nothing (chained keys + a missed lookup; the prefill that follows is the
+same code as without kvport), timed directly over many repetitions, as a fraction of the median full
+TTFT. The end-to-end figures (``zero_hit_overhead_end_to_end``: fastest zero-hit trial over fastest
+full trial, and the median-based one) sit beside it: on a loaded 2-core box two long prefills differ
+by far more than the overhead, so they mostly show the noise (see the trials' min/max). The hit path
+is broken down into lookup, block reads and the gather, and the load is compared with numpy memcpy of
+the same bytes measured in the same run (``limits.memcpy_gbps``).
+
+``results.vllm`` is the same comparison through the vLLM connector when its harness is available;
+otherwise ``ttft_speedup`` is None with the reason.
+Options (``--set``): ``tokens``, ``cached``, ``trials``, ``threads`` (intra-op threads, default 1: two
+threads collapse on a shared 2-core box), ``vllm=false`` to skip the vLLM half.
+"""
+
+from __future__ import annotations
+
+import importlib
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvport.bench.harness import Report, SuiteOptions, conditions, finish, gbps, ratio
+from kvport.bench.limits import memcpy_gbps
+from kvport.config import Settings
+from kvport.errors import KVPortError
+
+
+def _t(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _stats(ts: list[float]) -> dict[str, float]:
+    return {"median_s": round(statistics.median(ts), 5), "min_s": round(min(ts), 5), "max_s": round(max(ts), 5),
+            "trials": len(ts)}
+
+
+def _hf(tokens: int, cached: int, trials: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    import torch
+
+    from kvport.engines.hf import HFEngine, Lifetime, StoreBlocks
+    from kvport.refmodel import load
+    from kvport.spec import DType, from_hf_config
+    from kvport.store import TieredStore
+    from kvport.tiers import HostTier
+
+    model_dir = Settings.from_env().model_dir
+    model, _ = load(model_dir)
+    spec = from_hf_config(model_dir, dtype=DType.FP32)
+    bs = spec.block_size
+    if not 0 < cached < tokens or cached % bs:
+        raise KVPortError(f"cached must be a positive multiple of {bs} below tokens, got {cached} of {tokens}")
+    n_blocks = cached // bs
+    store = TieredStore([HostTier((tokens // bs + 2) * spec.bytes_per_block, spec.bytes_per_block)])
+    empty = TieredStore([HostTier(4 * spec.bytes_per_block, spec.bytes_per_block, name="empty")])
+    hit_blocks, zero_blocks = StoreBlocks(store, spec), StoreBlocks(empty, spec)
+    eng = HFEngine(model, spec, hit_blocks)
+    zero = HFEngine(model, spec, zero_blocks)
+    plain = HFEngine(model, spec, None)
+    prompt = np.random.default_rng(0).integers(10, 49_000, tokens)
+    stored = eng.generate(prompt[:cached], 1, lifetime=Lifetime.PREFIX, store_output=False)
+    if stored.stored_blocks != n_blocks:
+        raise KVPortError(f"expected {n_blocks} stored blocks, got {stored.stored_blocks}")
+    first: dict[str, int] = {}
+
+    def run(name: str, e: HFEngine) -> None:
+        pf = e.prefill(prompt)
+        first[name] = pf.first_token
+        if name == "hit" and pf.cached_blocks != n_blocks:
+            raise KVPortError(f"hit run loaded {pf.cached_blocks} blocks, expected {n_blocks}")
+
+    for name, e in (("full", plain), ("hit", eng), ("zero_hit", zero)):  # warm-up (allocations, kernels)
+        run(name, e)
+    ts: dict[str, list[float]] = {"full": [], "hit": [], "zero_hit": []}
+    for _ in range(trials):
+        for name, e in (("full", plain), ("hit", eng), ("zero_hit", zero)):
+            ts[name].append(_t(lambda n=name, x=e: run(n, x)))  # type: ignore[misc]
+    # the hit path in pieces (same store, same blocks)
+    keys = eng.keys(prompt[: ((tokens - 1) // bs) * bs])
+    staging = eng.layout.staging(n_blocks)
+    lk = [_t(lambda: hit_blocks.longest_prefix(keys)) for _ in range(max(5, trials))]
+    rd = [_t(lambda: hit_blocks.read_into(keys[:n_blocks], staging)) for _ in range(max(5, trials))]
+    ga = [_t(lambda: eng.layout.gather_all(n_blocks)) for _ in range(max(5, trials))]
+    zk = [_t(lambda: zero_blocks.longest_prefix(zero.keys(prompt[: ((tokens - 1) // bs) * bs])))
+          for _ in range(max(20, trials))]
+    nbytes = n_blocks * spec.bytes_per_block
+    mc = memcpy_gbps(nbytes, trials=5)
+    full, hit, zh = (statistics.median(ts[k]) for k in ("full", "hit", "zero_hit"))
+    load_s = statistics.median(rd) + statistics.median(ga)
+    results: dict[str, Any] = {
+        "ttft_speedup": round(full / hit, 3),
+        "zero_hit_overhead": round(statistics.median(zk) / full, 6),
+        "zero_hit_added_s": round(statistics.median(zk), 6),
+        "zero_hit_overhead_end_to_end": round(min(ts["zero_hit"]) / min(ts["full"]) - 1, 4),
+        "zero_hit_overhead_end_to_end_median": round(zh / full - 1, 4),
+        "ttft_full": _stats(ts["full"]),
+        "ttft_hit": _stats(ts["hit"]),
+        "ttft_zero_hit": _stats(ts["zero_hit"]),
+        "cached_tokens": cached,
+        "computed_tokens_hit": tokens - cached,
+        "loaded_bytes": nbytes,
+        "hit_breakdown_s": {"keys_and_lookup": round(statistics.median(lk), 6),
+                            "read_blocks": round(statistics.median(rd), 6),
+                            "gather": round(statistics.median(ga), 6)},
+        "load_gbps": round(gbps(nbytes, load_s), 3),
+        "load_vs_memcpy": ratio(gbps(nbytes, load_s), mc),
+        "first_token_equal": len(set(first.values())) == 1,
+        "threads": torch.get_num_threads(),
+    }
+    return results, {"memcpy_gbps": round(mc, 3)}
+
+
+def _vllm(opts: SuiteOptions, tokens: int, cached: int) -> dict[str, Any]:
+    """The vLLM half: the connector's own harness (:func:`kvport.engines.vllm.measure.prefix_ttft`), each
+    engine a fresh process; None with the reason when it cannot run here."""
+    if str(opts.extra.get("vllm", "true")).lower() in {"false", "0", "no"}:
+        return {"ttft_speedup": None, "reason": "skipped (--set vllm=false)"}
+    try:
+        mod = importlib.import_module("kvport.engines.vllm.measure")
+    except ImportError as exc:
+        return {"ttft_speedup": None, "reason": f"vLLM prefix harness unavailable: {exc}"}
+    try:
+        out: dict[str, Any] = dict(mod.prefix_ttft(Settings.from_env().model_dir, tokens, cached,
+                                                   repeats=1 if opts.quick else 3))
+    except (KVPortError, OSError) as exc:
+        return {"ttft_speedup": None, "reason": f"{type(exc).__name__}: {exc}"}
+    out.setdefault("ttft_speedup", None)
+    return out
+
+
+def run(opts: SuiteOptions) -> Report:
+    import torch
+
+    tokens = int(opts.extra.get("tokens", 512 if opts.quick else 2048))
+    cached = int(opts.extra.get("cached", tokens - tokens // 16))
+    trials = int(opts.extra.get("trials", 2 if opts.quick else 5))
+    threads = int(opts.extra.get("threads", 1))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cond = conditions(model="SmolLM2-135M-Instruct fp32 (transformers)", tokens=tokens, cached_tokens=cached,
+                          tier="host (TieredStore over HostTier)", trials=trials, torch_threads=threads)
+        hf, limits = _hf(tokens, cached, trials)
+    finally:
+        torch.set_num_threads(before)
+    results = {"hf": hf, "vllm": _vllm(opts, tokens, cached)}
+    return finish(Report("prefix", cond, limits, results))

@@ -1,0 +1,224 @@
+"""``kvport bench transfer``: KV between two processes over TCP and shared memory, against the raw
+machine paths measured in the same run, plus layer-wise overlap and a 3x overload with and without
+backpressure.
+
+Fair comparisons (same process layout, same bytes, same buffers, trials interleaved):
+
+* TCP: the parent sends, a spawned child receives into one preallocated destination (LKHTD block
+  table). The raw baseline is plain ``sendall`` of 4 MiB memoryview slices of the *same* source and
+  ``recv_into`` of 4 MiB slices of the *same* destination on a second connection to the same child;
+  kvport sends LAYER frames of at most 4 MiB (64 KiB chunks, each checksummed). The generic
+  ``bench.limits.raw_socket_gbps`` (4 MiB reused receive buffer) is reported beside it.
+* Shared memory: the producer's KV lives in memory registered with the transport (one copy in all:
+  the receiver copies into its block table); ``shm_vs_memcpy`` compares with numpy memcpy of the
+  same bytes (from those shared pages into private memory, interleaved trials), and
+  ``shm_vs_memcpy_limit`` with ``bench.limits.memcpy_gbps`` (private, huge-page backed buffers; tmpfs
+  here has no transparent huge pages). The unregistered path (copy in, copy out through the ring)
+  is reported as ``shm_ring_copy_*``.
+* Ideal lower bound: size / raw bandwidth (the calculator's transfer time) beside the measured time.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from kvport.bench.harness import Report, SuiteOptions, conditions, finish, gbps, ratio
+from kvport.bench.limits import memcpy_gbps, raw_socket_gbps
+from kvport.spec import KVSpec, from_preset
+from kvport.transfer import BlockTableDestination, Receiver, Sender, TransferMeta
+from kvport.transfer import shm as shm_mod
+from kvport.transfer import tcp as tcp_mod
+from kvport.transfer.loadtest import layerwise_overlap, overload
+
+_RAW_CHUNK = 4 << 20
+_FRAME = 4 << 20  # TCP LAYER frames: the raw baseline's sendall size
+_SHM_FRAME = 32 << 20  # shared memory: one frame per layer (descriptors, no per-frame copy cost)
+
+
+def _spec() -> KVSpec:
+    return from_preset("llama-3.1-8b", block_size=16)  # bf16: 64 KiB per block-layer, 4 MiB per block
+
+
+def _keys(n: int) -> tuple[bytes, ...]:
+    return tuple(i.to_bytes(16, "little") for i in range(n))
+
+
+# ---------------------------------------------------------------------- child process (receiver)
+def _child(kind: str, where: int | str, nbytes: int) -> None:
+    spec = _spec()
+    nb = nbytes // spec.bytes_per_block
+    dst = np.zeros((nb, spec.bytes_per_block), dtype=np.uint8)  # allocated and faulted once, reused
+    if kind == "tcp":
+        raw = socket.create_connection(("127.0.0.1", int(where)))
+        tcp_mod.tune(raw)
+        t: Any = tcp_mod.connect("127.0.0.1", int(where), timeout_s=120)
+    else:
+        raw = None
+        t = shm_mod.connect(str(where), timeout_s=120)
+    rx = Receiver(t, spec, lambda m: BlockTableDestination(dst, range(nb), m), budget_bytes=nbytes)
+    th = rx.start()
+    if raw is not None:  # raw rounds: until the parent closes the raw connection
+        mv = dst.data.cast("B")
+        try:
+            while True:
+                for off in range(0, nbytes, _RAW_CHUNK):
+                    view = mv[off : off + _RAW_CHUNK]
+                    got = 0
+                    while got < view.nbytes:
+                        n = raw.recv_into(view[got:])
+                        if n == 0:
+                            raise EOFError
+                        got += n
+                raw.sendall(b"k")
+        except (EOFError, OSError):
+            pass
+        raw.close()
+    th.join()
+
+
+def _layer_views(src: np.ndarray, spec: KVSpec) -> list[list[memoryview]]:
+    lb = spec.bytes_per_layer_block
+    return [[src[i, layer * lb : (layer + 1) * lb].data for i in range(src.shape[0])]
+            for layer in range(spec.num_layers)]
+
+
+def _median_gbps(nbytes: int, times: list[float]) -> float | None:
+    return None if not times else gbps(nbytes, statistics.median(times))
+
+
+def _tcp(nbytes: int, trials: int) -> dict[str, Any]:
+    spec = _spec()
+    nb = nbytes // spec.bytes_per_block
+    listener = tcp_mod.TcpListener()
+    proc = mp.get_context("spawn").Process(target=_child, args=("tcp", listener.port, nbytes), daemon=True)
+    proc.start()
+    try:
+        listener.sock.settimeout(60)
+        raw, _ = listener.sock.accept()
+        tcp_mod.tune(raw)
+        t = listener.accept(timeout_s=60)
+        t.settimeout(120)
+        sender = Sender(t, max_frame_bytes=_FRAME)
+        src = np.ones((nb, spec.bytes_per_block), dtype=np.uint8)
+        views = _layer_views(src, spec)
+        meta = TransferMeta(spec, "bench", _keys(nb))
+        flat = src.data.cast("B")
+        raw_t: list[float] = []
+        kv_t: list[float] = []
+        for r in range(trials + 1):  # first round of each is a warm-up
+            t0 = time.perf_counter()
+            for off in range(0, nbytes, _RAW_CHUNK):
+                raw.sendall(flat[off : off + _RAW_CHUNK])
+            raw.recv(1)
+            t1 = time.perf_counter()
+            sender.send(meta, lambda layer: views[layer])
+            t2 = time.perf_counter()
+            if r:
+                raw_t.append(t1 - t0)
+                kv_t.append(t2 - t1)
+        raw.close()
+        sender.close()
+    finally:
+        listener.close()
+        proc.join(20)
+        if proc.is_alive():
+            proc.kill()
+    raw_gbps, kv_gbps = _median_gbps(nbytes, raw_t), _median_gbps(nbytes, kv_t)
+    return {"raw_same_layout_gbps": raw_gbps, "tcp_gbps": kv_gbps, "tcp_median_s": statistics.median(kv_t),
+            "raw_median_s": statistics.median(raw_t), "tcp_trials_s": kv_t, "raw_trials_s": raw_t}
+
+
+def _shm(nbytes: int, trials: int) -> dict[str, Any]:
+    spec = _spec()
+    nb = nbytes // spec.bytes_per_block
+    listener = shm_mod.ShmListener()
+    proc = mp.get_context("spawn").Process(target=_child, args=("shm", listener.address, nbytes), daemon=True)
+    proc.start()
+    try:
+        t = listener.accept(timeout_s=60)
+        sender = Sender(t, max_frame_bytes=_SHM_FRAME, batch_bytes=_SHM_FRAME)
+        reg = np.frombuffer(t.register(nbytes), dtype=np.uint8).reshape(nb, spec.bytes_per_block)
+        reg.fill(1)
+        plain = np.ones((nb, spec.bytes_per_block), dtype=np.uint8)
+        copy_dst = np.zeros_like(plain)
+        reg_views, plain_views = _layer_views(reg, spec), _layer_views(plain, spec)
+        meta = TransferMeta(spec, "bench", _keys(nb))
+        mc_t: list[float] = []
+        reg_t: list[float] = []
+        ring_t: list[float] = []
+        for r in range(trials + 1):
+            t0 = time.perf_counter()
+            np.copyto(copy_dst, reg)  # memcpy of the same bytes: from the shared pages to private memory
+            t1 = time.perf_counter()
+            sender.send(meta, lambda layer: reg_views[layer])
+            t2 = time.perf_counter()
+            sender.send(meta, lambda layer: plain_views[layer])
+            t3 = time.perf_counter()
+            if r:
+                mc_t.append(t1 - t0)
+                reg_t.append(t2 - t1)
+                ring_t.append(t3 - t2)
+        sender.close()
+    finally:
+        listener.close()
+        proc.join(20)
+        if proc.is_alive():
+            proc.kill()
+    return {"memcpy_same_run_gbps": _median_gbps(nbytes, mc_t), "shm_gbps": _median_gbps(nbytes, reg_t),
+            "shm_median_s": statistics.median(reg_t), "shm_ring_copy_gbps": _median_gbps(nbytes, ring_t),
+            "shm_trials_s": reg_t, "memcpy_trials_s": mc_t}
+
+
+def run(opts: SuiteOptions) -> Report:
+    import torch
+
+    torch.set_num_threads(1)
+    spec = _spec()
+    cond = conditions(model=spec.model_id, dtype=spec.dtype.value, block_size=spec.block_size,
+                      chunk_bytes=spec.bytes_per_layer_block, frame_bytes=_FRAME, shm_frame_bytes=_SHM_FRAME,
+                      raw_chunk_bytes=_RAW_CHUNK, link="tcp 127.0.0.1 / shm same host", threads=1,
+                      process_layout="parent sends, spawned child receives")
+    nbytes = int(opts.extra.get("mib", 64 if opts.quick else 256)) << 20
+    trials = int(opts.extra.get("trials", 2 if opts.quick else 5))
+    overload_s = opts.extra.get("overload_s")
+    limits: dict[str, Any] = {
+        "memcpy_gbps": memcpy_gbps(nbytes, trials),
+        "raw_socket_gbps": raw_socket_gbps(nbytes, trials=2 if opts.quick else 3),
+    }
+    tcp = _tcp(nbytes, trials)
+    sh = _shm(nbytes, trials)
+    limits["raw_socket_same_layout_gbps"] = tcp["raw_same_layout_gbps"]
+    limits["memcpy_same_bytes_gbps"] = sh["memcpy_same_run_gbps"]
+    raw_bps = (tcp["raw_same_layout_gbps"] or 0) * 1e9
+    mc_bps = (sh["memcpy_same_run_gbps"] or 0) * 1e9
+    results: dict[str, Any] = {
+        "bytes": nbytes,
+        "tcp_gbps": tcp["tcp_gbps"],
+        "tcp_vs_raw_socket": ratio(tcp["tcp_gbps"], tcp["raw_same_layout_gbps"]),
+        "tcp_vs_raw_socket_generic": ratio(tcp["tcp_gbps"], limits["raw_socket_gbps"]),
+        "tcp_time": {"measured_s": round(tcp["tcp_median_s"], 4),
+                     "ideal_s": round(nbytes / raw_bps, 4) if raw_bps else None,
+                     "trials_s": [round(x, 4) for x in tcp["tcp_trials_s"]],
+                     "raw_trials_s": [round(x, 4) for x in tcp["raw_trials_s"]]},
+        "shm_gbps": sh["shm_gbps"],
+        "shm_vs_memcpy": ratio(sh["shm_gbps"], sh["memcpy_same_run_gbps"]),
+        "shm_vs_memcpy_limit": ratio(sh["shm_gbps"], limits["memcpy_gbps"]),
+        "shm_ring_copy_gbps": sh["shm_ring_copy_gbps"],
+        "shm_ring_copy_vs_memcpy": ratio(sh["shm_ring_copy_gbps"], sh["memcpy_same_run_gbps"]),
+        "shm_time": {"measured_s": round(sh["shm_median_s"], 4),
+                     "ideal_s": round(nbytes / mc_bps, 4) if mc_bps else None,
+                     "trials_s": [round(x, 4) for x in sh["shm_trials_s"]],
+                     "memcpy_trials_s": [round(x, 4) for x in sh["memcpy_trials_s"]]},
+        "layerwise": layerwise_overlap(quick=opts.quick),
+    }
+    ov_s = None if overload_s is None else float(overload_s)
+    results["overload"] = overload(backpressure=True, quick=opts.quick, duration_s=ov_s)
+    results["overload_no_backpressure"] = overload(backpressure=False, quick=opts.quick, duration_s=ov_s)
+    cond.update(tokens=(nbytes // spec.bytes_per_block) * spec.block_size, trials=trials)
+    return finish(Report("transfer", cond, limits, results))

@@ -1,0 +1,61 @@
+"""``kvport calibrate``: measure this machine and save the planner's profile (``Settings.profile_path``)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from kvport.config import Settings
+from kvport.planner.calibrate import PrefillPlan, calibrate, reference_ids
+from kvport.refmodel import MODEL_ID, load
+from kvport.spec import from_hf_config
+from kvport.units import format_bytes, format_seconds
+
+QUICK_PLAN = PrefillPlan(lengths=(16, 32, 64), incremental=((32, 16),), trials=1)
+
+
+@click.command()
+@click.option("--profile", "profile_path", default=None, type=click.Path(dir_okay=False),
+              help="where to save (default: $KVPORT_PROFILE or ~/.cache/kvport/profile.json)")
+@click.option("--threads", default=None, type=click.IntRange(1, 256), help="torch threads (default: the engine's)")
+@click.option("--quick", is_flag=True, help="short prompts, one trial (a smoke run, not a usable profile)")
+@click.option("--no-codecs", is_flag=True, help="skip codec speed measurements")
+@click.option("--json", "as_json", is_flag=True, help="print the profile as JSON")
+def calibrate_cmd(profile_path: str | None, threads: int | None, quick: bool, no_codecs: bool, as_json: bool) -> None:
+    """Measure prefill speed of the reference model, tier and link bandwidths, codec speeds; save a profile."""
+    import torch
+
+    settings = Settings.from_env()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    model, tok = load(settings.model_dir)
+    spec = from_hf_config(settings.model_dir, dtype="fp32", model_id=MODEL_ID)
+    plan = QUICK_PLAN if quick else PrefillPlan()
+    ids = reference_ids(tok, plan.max_tokens)
+    say = (lambda m: None) if as_json else (lambda m: click.echo(f"measuring {m} ...", err=True))
+    prof = calibrate(model, ids, spec, plan=plan, tier_folder=settings.home / "calibrate",
+                     link_probe_bytes=(4 << 20) if quick else (32 << 20), tier_bytes=(8 << 20) if quick else (64 << 20),
+                     codecs=not no_codecs, progress=say)
+    path = profile_path or str(settings.profile_path)
+    prof.save(path)
+    if as_json:
+        click.echo(json.dumps(prof.as_dict(), indent=2))
+        return
+    pf = prof.prefill
+    lines = [f"profile saved to {path} (machine {prof.machine})"]
+    if pf is not None:
+        lines.append(f"prefill {pf.model_id} ({pf.threads} threads): t(s,e) = {pf.a:.4g} + {pf.x:.4g} [s>0] + "
+                     f"{pf.b:.4g} q + {pf.c:.4g} q^2 + {pf.d:.4g} q s   (q = e - s)")
+        for p in pf.points:
+            lines.append(f"  [{p.start:5d}, {p.end:5d})  measured {format_seconds(p.seconds):>11}  "
+                         f"model {format_seconds(pf.seconds(p.start, p.end)):>11}")
+    for lk in prof.links:
+        lines.append(f"{lk.kind.value:4} {lk.name:9} {format_bytes(lk.bandwidth)}/s, "
+                     f"latency {format_seconds(lk.latency)}")
+    for c in prof.codecs:
+        lines.append(f"codec {c.name:8} ratio {c.ratio:.2f}x  encode {format_bytes(c.encode_bps)}/s  "
+                     f"decode {format_bytes(c.decode_bps)}/s  quality +{c.quality_cost:.2%}")
+    if prof.install_bps:
+        lines.append(f"install (block bytes -> DynamicCache) {format_bytes(prof.install_bps)}/s")
+    click.echo("\n".join(lines))

@@ -1,0 +1,173 @@
+"""Decode worker process: receives each request's KV layer by layer, decodes, stores the session.
+
+One request: ``op: expect`` (sent by the router together with the prefill) starts receiving on a
+background thread; ``op: decode`` (sent once the prefill worker answered with the first token)
+joins it and decodes::
+
+    incoming = receiver.next_transfer()          compatibility already checked at TRANSFER_BEGIN
+    for layer i: wait_for_layer(i)               every block's layer i landed and passed its checksum
+                 gather layer i -> cache tensors  (receive staging -> landing, one strided copy)
+                 receiver.release(layer bytes)    credits back to the prefill worker (backpressure:
+                                                  the receive budget bounds KV not yet consumed)
+    incoming.wait()                              committed: ownership of the blocks is ours
+    crop the padded tail to N tokens, decode greedily from the prefill worker's first token
+    store prompt + answer blocks in the shared tier (system prompt: PREFIX, the rest: SESSION),
+    skipping the blocks the prefill worker found there already
+
+A transfer that fails or is refused (``TransferError``) makes this request recompute its prefill
+here, from the prompt tokens, with the same output. Restarting this process loses nothing but its
+buffers: the session KV lives in the shared tier.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvport.demo import messages
+from kvport.demo.quiet import quiet_transformers
+from kvport.engines.hf import BlockLayout, HFEngine, Lifetime, StoreBlocks, dynamic_cache
+from kvport.errors import BufferMismatchError, KVPortError, ProtocolError
+from kvport.server.client import RemoteTier
+from kvport.server.pool import ClientConfig
+from kvport.spec import DType, from_hf_config
+from kvport.store import TieredStore
+from kvport.transfer import Backpressure, BlockTableDestination, Receiver, TransferMeta
+from kvport.transfer.tcp import TcpListener
+
+
+class DecodeWorker:
+    def __init__(self, model_dir: Path, shared_port: int, threads: int, budget_bytes: int, max_blocks: int) -> None:
+        from kvport.refmodel import load
+
+        torch.set_num_threads(threads)
+        quiet_transformers()
+        model, _ = load(model_dir, prepare_if_missing=False)
+        self.spec = from_hf_config(model_dir, dtype=DType.FP32)
+        self.shared = RemoteTier(ClientConfig(port=shared_port), name="shared")
+        self.store = TieredStore([self.shared])
+        self.eng = HFEngine(model, self.spec, StoreBlocks(self.store, self.spec))
+        self.plain = HFEngine(model, self.spec, None)  # recompute path when a transfer fails
+        self.recv = BlockLayout(self.spec, capacity_blocks=max_blocks)
+        self.max_blocks = max_blocks
+        self.budget = budget_bytes
+        self.listener = TcpListener("127.0.0.1", 0, timeout_s=None)  # idle between requests is fine
+        self.receiver: Receiver | None = None
+        self._connected = threading.Event()
+        self._rx = ThreadPoolExecutor(1, thread_name_prefix="decode-rx")
+        self._pending: dict[str, tuple[float, Future[tuple[Any, int]]]] = {}
+        threading.Thread(target=self._accept, name="decode-accept", daemon=True).start()
+
+    def _destination(self, meta: TransferMeta) -> BlockTableDestination:
+        if meta.n_blocks > self.max_blocks:  # a peer's count is capped before anything is sized by it
+            raise BufferMismatchError(f"{meta.n_blocks} blocks exceed the receive buffer ({self.max_blocks})")
+        if meta.n_blocks * meta.block_layer_bytes > self.budget:  # layer-wise consumption could not progress
+            raise BufferMismatchError(f"one layer of {meta.n_blocks} blocks exceeds the receive budget {self.budget}")
+        buf = self.recv.staging(meta.n_blocks).numpy().reshape(-1).view(np.uint8)
+        return BlockTableDestination(buf, range(meta.n_blocks), meta)
+
+    def _accept(self) -> None:
+        t = self.listener.accept(timeout_s=None)
+        self.receiver = Receiver(t, self.spec, self._destination, self.budget, Backpressure(), auto_release=False)
+        self.receiver.start()
+        self._connected.set()
+
+    def _receive(self, rid: str, n_tok: int) -> tuple[Any, int]:
+        """The prefill worker's KV for ``rid`` as a cache of exactly ``n_tok`` tokens, and its bytes."""
+        if not self._connected.wait(60) or self.receiver is None:
+            raise ProtocolError("the prefill worker never connected")
+        inc = self.receiver.next_transfer(timeout=120)
+        meta = inc.meta
+        if meta.request_id != rid:
+            raise ProtocolError(f"expected the KV of {rid}, got {meta.request_id}")
+        n = meta.n_blocks
+        if n * self.spec.block_size < n_tok or (n - 1) * self.spec.block_size >= n_tok:
+            raise ProtocolError(f"{n} blocks cannot hold exactly {n_tok} tokens")
+        layer_bytes = n * meta.block_layer_bytes
+        layers = []
+        for i in meta.layers:
+            inc.wait_for_layer(i, timeout=120)
+            k, v = self.recv.gather_layer(n, i)
+            layers.append((k[:, :, :n_tok], v[:, :, :n_tok]))
+            self.receiver.release(layer_bytes)
+        inc.wait(timeout=60)
+        return dynamic_cache(self.eng.model.config, layers), meta.total_bytes
+
+    def expect(self, rid: str, n_tok: int) -> None:
+        if rid in self._pending:
+            raise ProtocolError(f"request {rid} is already expected")
+        self._pending[rid] = (time.perf_counter(), self._rx.submit(self._receive, rid, n_tok))
+
+    def decode(self, msg: dict[str, Any]) -> dict[str, Any]:
+        rid, prompt = str(msg["rid"]), np.asarray(msg["prompt"], dtype=np.int64)
+        first, max_new = int(msg["first_token"]), int(msg["max_new"])
+        if rid not in self._pending:
+            self.expect(rid, len(prompt))
+        t_expect, fut = self._pending.pop(rid)
+        t0 = time.perf_counter()
+        fallback: str | None = None
+        received = 0
+        try:
+            cache, received = fut.result(timeout=300)
+        except KVPortError as exc:
+            fallback = f"{type(exc).__name__}: {exc}"
+            pf = self.plain.prefill(prompt)
+            cache = pf.cache
+            if pf.first_token != first:
+                fallback += f" (recomputed first token {pf.first_token} != {first})"
+        recv_s = time.perf_counter() - t0
+        tokens = self.eng.decode(cache, first, max_new)
+        decode_s = time.perf_counter() - t0 - recv_s
+        seq = np.concatenate([prompt, np.asarray(tokens[:-1], dtype=np.int64)])
+        stored, store_error = 0, None
+        try:
+            stored = self.eng.save(seq, cache, skip_blocks=int(msg["hit_blocks"]), lifetime=Lifetime.SESSION,
+                                   shared_prefix_tokens=int(msg["shared_prefix_tokens"]))
+        except KVPortError as exc:
+            store_error = f"{type(exc).__name__}: {exc}"
+        return {"ok": True, "rid": rid, "tokens": tokens, "recv_wait_s": recv_s, "decode_s": decode_s,
+                "since_expect_s": time.perf_counter() - t_expect,
+                "received_bytes": received, "stored_blocks": stored, "fallback": fallback,
+                "store_error": store_error}
+
+    def close(self) -> None:
+        self._rx.shutdown(wait=False, cancel_futures=True)
+        if self.receiver is not None:
+            self.receiver.close()
+        self.listener.close()
+        self.store.close()
+
+
+def main(conn: Connection, cfg: dict[str, Any]) -> None:
+    """Process entry: build the worker, report its transfer port, answer control messages."""
+    try:
+        w = DecodeWorker(Path(cfg["model_dir"]), int(cfg["shared_port"]), int(cfg["threads"]),
+                         int(cfg["budget_bytes"]), int(cfg["max_blocks"]))
+    except Exception as exc:  # the router reports it; nothing else can
+        messages.send(conn, {"op": "ready", "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        return
+    messages.send(conn, {"op": "ready", "ok": True, "port": w.listener.port})
+    while True:
+        msg = messages.recv(conn)
+        op = msg["op"]
+        if op == "stop":
+            w.close()
+            messages.send(conn, {"op": "stopped", "ok": True})
+            return
+        try:
+            if op == "expect":
+                w.expect(str(msg["rid"]), int(msg["n_tokens"]))
+                messages.send(conn, {"op": "expecting", "ok": True})
+            elif op == "decode":
+                messages.send(conn, {"op": "decoded", **w.decode(msg)})
+            else:
+                messages.send(conn, {"op": op, "ok": False, "error": f"unknown op {op!r}"})
+        except KVPortError as exc:
+            messages.send(conn, {"op": op, "ok": False, "error": f"{type(exc).__name__}: {exc}"})

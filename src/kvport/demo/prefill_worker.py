@@ -1,0 +1,250 @@
+"""Prefill worker process: lookup, planner, load-or-recompute, and layer-wise streaming to decode.
+
+One request (``op: prefill``)::
+
+    keys = chain_keys(prompt, include_partial)         n = ceil(N / B) blocks, the tail zero-padded
+    hit  = store.longest_prefix(keys[: (N-1)//B])      host tier (local) or shared tier (other process)
+    planner.decide(N, cached=hit)  -> load | split | recompute, with its reason
+    load: read hit blocks into staging[:use], one gather into the cache     (split is executed as load)
+    sender.begin(meta)                                  compatibility verdict before any payload
+    forward(prompt[use*B:])                             a hook after each decoder layer i scatters that
+        layer i done -> staging[use:n, i] -> queue      layer's new tokens into staging and queues it;
+    sender thread: send_layer(i, staging[:, i])         the sender thread streams it within its credits
+    first token -> answer (TTFT);  sender.end() -> committed (ownership moves to the decode worker)
+
+Backpressure: the decode worker grants credits from the receive buffer it has free; the sender never
+has more bytes in flight than granted (credit waits are counted), and new prompts are admitted only
+while the window is below its high watermark (``try_admit``; rejections are counted and waited out).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvport import metrics
+from kvport.demo import messages
+from kvport.demo.calibrate import quick_profile
+from kvport.demo.quiet import quiet_transformers
+from kvport.engines.hf import HFEngine, StoreBlocks, dynamic_cache
+from kvport.errors import KVPortError, PeerError, TransferError
+from kvport.keys import chain_keys
+from kvport.planner import Action, Cached, Load, Planner, Request
+from kvport.planner.profile import LinkKind, machine_id
+from kvport.server.client import RemoteTier
+from kvport.server.pool import ClientConfig
+from kvport.spec import DType, from_hf_config
+from kvport.store import TieredStore
+from kvport.tiers import HostTier
+from kvport.transfer import Backpressure, Rejected, Sender, TransferMeta
+from kvport.transfer.sender import Outgoing
+from kvport.transfer.tcp import connect
+
+SHARED = "shared"
+
+
+class PrefillWorker:
+    def __init__(self, model_dir: Path, shared_port: int, threads: int, host_bytes: int) -> None:
+        from kvport.refmodel import load
+
+        torch.set_num_threads(threads)
+        quiet_transformers()
+        model, _ = load(model_dir, prepare_if_missing=False)
+        self.spec = from_hf_config(model_dir, dtype=DType.FP32)
+        self.shared = RemoteTier(ClientConfig(port=shared_port), name=SHARED)
+        host = HostTier(max(host_bytes, 4 * self.spec.bytes_per_block), self.spec.bytes_per_block, name="host")
+        self.store = TieredStore([host, self.shared])
+        self.blocks = StoreBlocks(self.store, self.spec)
+        self.eng = HFEngine(model, self.spec, self.blocks)
+        self.planner = Planner(quick_profile(self.eng, self.shared), machine=machine_id())
+        self.sender: Sender | None = None
+        self._layers: queue.Queue[int | None] = queue.Queue()
+        self._active: tuple[int, int] | None = None  # (first new block, prompt tokens) while a prefill runs
+        self._cache: Any = None
+        for i, layer in enumerate(model.model.layers):
+            layer.register_forward_hook(self._hook(i))
+
+    def _hook(self, i: int) -> Any:
+        def after_layer(_module: Any, _args: Any, _out: Any) -> None:
+            if self._active is None:
+                return
+            first, tokens = self._active
+            lyr = self._cache.layers[i]
+            self.eng.layout.scatter_layer(i, lyr.keys, lyr.values, first, tokens)
+            self._layers.put(i)
+
+        return after_layer
+
+    def connect(self, port: int) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        # no socket timeout: the link idles between requests; stalls are bounded by the credit timeout
+        self.sender = Sender(connect("127.0.0.1", port, timeout_s=None), Backpressure(), credit_timeout_s=60.0)
+
+    # ------------------------------------------------------------------ one request
+    def _connected(self) -> Sender:
+        if self.sender is None:
+            raise PeerError("no decode worker connected (op: connect)")
+        return self.sender
+
+    def _admit(self) -> int:
+        rejections = 0
+        sender = self._connected()
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            adm = sender.try_admit()
+            if not isinstance(adm, Rejected):
+                break
+            rejections += 1
+            time.sleep(adm.retry_after_s)
+        return rejections
+
+    def _stream(self, h: Outgoing, rows: np.ndarray, n: int, errors: list[TransferError], busy: list[float]) -> None:
+        sender = self._connected()
+        for _ in range(self.spec.num_layers):
+            i = self._layers.get()
+            if i is None:
+                return
+            if errors:
+                continue
+            t0 = time.perf_counter()
+            try:
+                sender.send_layer(h, i, [rows[j, i] for j in range(n)])
+            except TransferError as exc:
+                errors.append(exc)
+            busy.append(time.perf_counter() - t0)
+
+    def prefill(self, msg: dict[str, Any]) -> dict[str, Any]:
+        from transformers import DynamicCache
+
+        rid, prompt = str(msg["rid"]), np.asarray(msg["prompt"], dtype=np.int64)
+        n_tok, bs = len(prompt), self.spec.block_size
+        waits0 = metrics.sample("transfer_credit_waits_total") or 0.0
+        wait_s0 = metrics.sample("transfer_credit_wait_seconds_sum") or 0.0
+        rejections = self._admit()
+        while not self._layers.empty():  # nothing of an earlier request may reach this stream
+            self._layers.get_nowait()
+        t0 = time.perf_counter()
+        keys = chain_keys(prompt, self.eng.key_ctx, include_partial=True)
+        n = len(keys)
+        fallback: str | None = None
+        try:
+            hit = self.blocks.longest_prefix(keys[: (n_tok - 1) // bs])
+        except KVPortError as exc:
+            hit, fallback = 0, f"{type(exc).__name__}: {exc}"
+        tiers = {t: self.blocks.last_tiers.count(t) for t in set(self.blocks.last_tiers)}
+        cached = (Cached(SHARED, hit * bs),) if hit else ()
+        decision = self.planner.decide(Request(prompt_tokens=n_tok, spec=self.spec, cached=cached), Load())
+        use = hit if decision.action in (Action.LOAD, Action.SPLIT) else 0
+        self.eng.layout.reserve(n)
+        staging = self.eng.layout.staging(n)
+        cache = None
+        load_s = 0.0
+        if use:
+            try:
+                tl = time.perf_counter()
+                self.blocks.read_into(keys[:use], staging)
+                cache = dynamic_cache(self.eng.model.config, self.eng.layout.gather_all(use))
+                load_s = time.perf_counter() - tl
+                self.planner.observe_transfer(use * self.spec.bytes_per_block, load_s, SHARED, LinkKind.TIER)
+            except KVPortError as exc:
+                use, cache, fallback = 0, None, f"{type(exc).__name__}: {exc}"
+        if cache is None:
+            cache = DynamicCache(config=self.eng.model.config)
+        # stream: begin (compatibility check) before computing, layers as they finish
+        sender = self._connected()
+        errors: list[TransferError] = []
+        busy: list[float] = []
+        h: Outgoing | None = None
+        try:
+            h = sender.begin(TransferMeta(self.spec, rid, tuple(keys)))
+        except TransferError as exc:
+            errors.append(exc)
+        rows = staging.numpy().reshape(n, self.spec.num_layers, -1).view(np.uint8)
+        streamer = None
+        if h is not None:
+            streamer = threading.Thread(target=self._stream, args=(h, rows, n, errors, busy), daemon=True)
+            streamer.start()
+        self._cache, self._active = cache, (use, n_tok) if streamer is not None else None
+        tc = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                out = self.eng.model(input_ids=torch.from_numpy(prompt[use * bs :]).unsqueeze(0),
+                                     past_key_values=cache, use_cache=True, logits_to_keep=1)
+            first = int(out.logits[0, -1].argmax())
+        except BaseException:
+            self._layers.put(None)  # stop the streamer; the transfer is aborted below
+            raise
+        finally:
+            self._active, self._cache = None, None
+        ttft = time.perf_counter() - t0
+        compute_s = time.perf_counter() - tc
+        self.planner.observe_prefill(n_tok - use * bs, compute_s, cached=use * bs)
+        committed = False
+        if streamer is not None and h is not None:
+            streamer.join(120)
+            try:
+                if errors:
+                    raise errors[0]
+                sender.end(h)
+                committed = True
+            except TransferError as exc:
+                if not errors:
+                    errors.append(exc)
+                if not h.done:
+                    sender.abort(h, str(exc))
+        done_s = time.perf_counter() - t0
+        return {
+            "ok": True, "rid": rid, "first_token": first, "ttft_s": ttft, "handoff_s": done_s,
+            "prompt_tokens": n_tok, "hit_tokens": hit * bs, "loaded_tokens": use * bs, "hit_tiers": tiers,
+            "load_s": load_s, "compute_s": compute_s, "action": decision.action.value,
+            "choice": decision.choice.label, "reason": decision.reason,
+            "predicted": {o.label: o.seconds for o in decision.options}, "fallback": fallback,
+            "transfer_bytes": n * self.spec.num_layers * self.spec.bytes_per_layer_block,
+            "transfer_busy_s": sum(busy), "transfer_tail_s": done_s - ttft, "committed": committed,
+            "transfer_error": f"{type(errors[0]).__name__}: {errors[0]}" if errors else None,
+            "credit_waits": (metrics.sample("transfer_credit_waits_total") or 0.0) - waits0,
+            "credit_wait_s": (metrics.sample("transfer_credit_wait_seconds_sum") or 0.0) - wait_s0,
+            "admission_rejections": rejections,
+        }
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        self.store.close()
+
+
+def main(conn: Connection, cfg: dict[str, Any]) -> None:
+    """Process entry: build the worker, answer control messages until ``stop``."""
+    try:
+        w = PrefillWorker(Path(cfg["model_dir"]), int(cfg["shared_port"]), int(cfg["threads"]),
+                          int(cfg["host_bytes"]))
+    except Exception as exc:  # the router reports it; nothing else can
+        messages.send(conn, {"op": "ready", "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        return
+    messages.send(conn, {"op": "ready", "ok": True, "profile": w.planner.profile.as_dict()
+                         if w.planner.profile else None})
+    while True:
+        msg = messages.recv(conn)
+        op = msg["op"]
+        if op == "stop":
+            w.close()
+            messages.send(conn, {"op": "stopped", "ok": True})
+            return
+        try:
+            if op == "connect":
+                w.connect(int(msg["port"]))
+                messages.send(conn, {"op": "connected", "ok": True})
+            elif op == "prefill":
+                messages.send(conn, {"op": "prefilled", **w.prefill(msg)})
+            else:
+                messages.send(conn, {"op": op, "ok": False, "error": f"unknown op {op!r}"})
+        except KVPortError as exc:
+            messages.send(conn, {"op": op, "ok": False, "error": f"{type(exc).__name__}: {exc}"})

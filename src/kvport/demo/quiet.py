@@ -1,0 +1,10 @@
+"""Silence transformers' progress bars and info logs in the demo's processes (the report is the output)."""
+
+from __future__ import annotations
+
+
+def quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()

@@ -1,0 +1,154 @@
+"""The demo's final report: a per-turn table and a summary, as a dict (``--json``) and as rich text."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+@dataclass(slots=True)
+class Turn:
+    round: int  # 1-based
+    user: int  # 1-based
+    rid: str
+    prompt_tokens: int  # the baseline's prompt length
+    baseline_tokens: list[int]
+    baseline_ttft_s: float
+    tokens: list[int] | None = None
+    prefill: dict[str, Any] = field(default_factory=dict)
+    decode: dict[str, Any] = field(default_factory=dict)
+    after_restart: bool = False
+    error: str | None = None
+    prompt: list[int] = field(default_factory=list)  # the kvport run's prompt
+
+    @property
+    def equal(self) -> bool:
+        return self.tokens is not None and self.tokens == self.baseline_tokens
+
+
+def _sum(turns: list[Turn], side: str, key: str) -> float:
+    return float(sum((getattr(t, side).get(key) or 0) for t in turns))
+
+
+def summarize(turns: list[Turn], *, raw_socket_gbps: float | None, block_size: int, restarts: int,
+              errors: list[str], conditions: dict[str, Any]) -> dict[str, Any]:
+    done = [t for t in turns if t.prefill]
+    later = [t for t in done if t.round > 1]
+    xfer_bytes = _sum(done, "prefill", "transfer_bytes")
+    busy = _sum(done, "prefill", "transfer_busy_s")
+    waited = _sum(done, "prefill", "credit_wait_s")
+    sending = max(0.0, busy - waited)
+    ideal = xfer_bytes / (raw_socket_gbps * 1e9) if raw_socket_gbps else None
+    hit_tokens = _sum(done, "prefill", "hit_tokens")
+    tiers: Counter[str] = Counter()
+    for t in done:
+        tiers.update(t.prefill.get("hit_tiers") or {})
+
+    def ttft(ts: list[Turn], key: str) -> float | None:
+        vals = [t.prefill["ttft_s"] if key == "kvport" else t.baseline_ttft_s for t in ts]
+        return round(sum(vals) / len(vals), 4) if vals else None
+
+    return {
+        "conditions": conditions,
+        "turns": len(turns),
+        "completed": len(done),
+        "outputs_equal_baseline": bool(turns) and all(t.equal for t in turns),
+        "mismatched_turns": [t.rid for t in turns if not t.equal],
+        "hit_rate_tokens": round(hit_tokens / max(1.0, _sum(done, "prefill", "prompt_tokens")), 4),
+        "hit_rate_tokens_after_round_1": round(_sum(later, "prefill", "hit_tokens")
+                                               / max(1.0, _sum(later, "prefill", "prompt_tokens")), 4),
+        "hit_blocks_by_tier": dict(tiers),
+        "mean_ttft_s": {"baseline_no_reuse": ttft(done, "baseline"), "kvport": ttft(done, "kvport"),
+                        "baseline_no_reuse_after_round_1": ttft(later, "baseline"),
+                        "kvport_after_round_1": ttft(later, "kvport")},
+        "bytes_moved": {"prefill_to_decode": int(xfer_bytes),
+                        "loaded_from_tiers": int(_sum(done, "prefill", "loaded_tokens"))
+                        * int(conditions.get("bytes_per_token", 0)),
+                        "stored_to_shared_tier": int(_sum(done, "decode", "stored_blocks"))
+                        * int(conditions.get("bytes_per_block", 0))},
+        "transfer": {"busy_s": round(busy, 4), "credit_wait_s": round(waited, 4), "sending_s": round(sending, 4),
+                     "ideal_s": None if ideal is None else round(ideal, 4),
+                     "sending_vs_ideal": None if not ideal or not sending else round(sending / ideal, 2),
+                     "raw_socket_gbps": raw_socket_gbps,
+                     "exposed_after_first_token_s": round(_sum(done, "prefill", "transfer_tail_s"), 4),
+                     "committed": sum(1 for t in done if t.prefill.get("committed")),
+                     "failed": [t.prefill["transfer_error"] for t in done if t.prefill.get("transfer_error")]},
+        "planner": dict(Counter(t.prefill.get("choice", "?") for t in done)),
+        "planner_reasons": sorted({t.prefill.get("reason", "") for t in done}),
+        "backpressure": {"credit_waits": int(_sum(done, "prefill", "credit_waits")),
+                         "credit_wait_s": round(_sum(done, "prefill", "credit_wait_s"), 4),
+                         "admission_rejections": int(_sum(done, "prefill", "admission_rejections"))},
+        "decode_restarts": restarts,
+        "after_restart": {"turns": sum(1 for t in done if t.after_restart),
+                          "hit_tokens": int(sum(t.prefill.get("hit_tokens", 0) for t in done if t.after_restart)),
+                          "outputs_equal": all(t.equal for t in done if t.after_restart)},
+        "decode_fallbacks": [t.decode["fallback"] for t in done if t.decode.get("fallback")],
+        "errors": errors,
+        "per_turn": [{"rid": t.rid, "round": t.round, "user": t.user, "prompt_tokens": t.prompt_tokens,
+                      "hit_tokens": t.prefill.get("hit_tokens"), "loaded_tokens": t.prefill.get("loaded_tokens"),
+                      "choice": t.prefill.get("choice"), "ttft_baseline_s": round(t.baseline_ttft_s, 4),
+                      "ttft_kvport_s": t.prefill.get("ttft_s"), "load_s": t.prefill.get("load_s"),
+                      "compute_s": t.prefill.get("compute_s"), "transfer_bytes": t.prefill.get("transfer_bytes"),
+                      "credit_waits": t.prefill.get("credit_waits"), "after_restart": t.after_restart,
+                      "equal": t.equal} for t in turns],
+    }
+
+
+def render(console: Console, turns: list[Turn], summary: dict[str, Any]) -> None:
+    tab = Table(title="kvport demo: prefill/decode disaggregation, multi-turn chat (SmolLM2-135M-Instruct)")
+    for col in ("turn", "prompt", "reused", "planner", "TTFT base", "TTFT kvport", "speedup", "KV sent",
+                "waits", "output"):
+        tab.add_column(col, justify="right" if col not in ("turn", "planner", "output") else "left")
+    for t in turns:
+        p = t.prefill
+        ttft = p.get("ttft_s")
+        tab.add_row(
+            f"r{t.round} u{t.user}" + (" *" if t.after_restart else ""), str(t.prompt_tokens),
+            str(p.get("hit_tokens", "-")), str(p.get("choice", "-")), f"{t.baseline_ttft_s * 1e3:.0f} ms",
+            f"{ttft * 1e3:.0f} ms" if ttft else "-",
+            f"{t.baseline_ttft_s / ttft:.1f}x" if ttft else "-",
+            f"{(p.get('transfer_bytes') or 0) / 2**20:.1f} MiB", str(int(p.get("credit_waits") or 0)),
+            "[green]= baseline[/]" if t.equal else f"[red]DIFFERS[/] {t.error or ''}")
+    console.print(tab)
+    s = summary
+    m, x, b = s["mean_ttft_s"], s["transfer"], s["bytes_moved"]
+    console.print("* = after the decode worker was restarted")
+    lines = [
+        f"outputs equal to a single-process run without kvport: "
+        f"{'[green]yes, every turn[/]' if s['outputs_equal_baseline'] else '[red]NO[/] ' + str(s['mismatched_turns'])}",
+        f"hit rate (prompt tokens whose KV was found): {s['hit_rate_tokens']:.1%} overall, "
+        f"{s['hit_rate_tokens_after_round_1']:.1%} from round 2 on; blocks by tier {s['hit_blocks_by_tier']}",
+        f"mean TTFT from round 2 on: {_ms(m['baseline_no_reuse_after_round_1'])} without reuse, "
+        f"{_ms(m['kvport_after_round_1'])} with kvport",
+        f"bytes moved: {b['prefill_to_decode'] / 2**20:.1f} MiB prefill->decode, "
+        f"{b['loaded_from_tiers'] / 2**20:.1f} MiB loaded from tiers, "
+        f"{b['stored_to_shared_tier'] / 2**20:.1f} MiB stored to the shared tier",
+        f"transfer: {x['sending_s']:.3f} s sending, streamed during prefill (+{x['credit_wait_s']:.3f} s waiting "
+        f"for credits while the decode worker was busy; streams ended {x['exposed_after_first_token_s']:.3f} s "
+        f"after the first tokens in all) vs the calculator's ideal "
+        f"{_num(x['ideal_s'])} s at the raw socket's {_num(x['raw_socket_gbps'])} GB/s measured now "
+        f"(x{x['sending_vs_ideal']}); {x['committed']} committed, {len(x['failed'])} failed",
+        f"planner decisions: {s['planner']}",
+        f"backpressure: {s['backpressure']['credit_waits']} credit waits "
+        f"({s['backpressure']['credit_wait_s']:.3f} s), {s['backpressure']['admission_rejections']} admission "
+        "rejections",
+        f"decode worker restarts: {s['decode_restarts']}; after restart {s['after_restart']['turns']} turns reused "
+        f"{s['after_restart']['hit_tokens']} tokens from the shared tier, outputs equal: "
+        f"{s['after_restart']['outputs_equal']}",
+    ]
+    if s["errors"] or s["decode_fallbacks"]:
+        lines.append(f"[yellow]errors/fallbacks[/]: {s['errors'] + s['decode_fallbacks']}")
+    for line in lines:
+        console.print(line)
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.0f} ms"

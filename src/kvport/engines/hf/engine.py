@@ -1,0 +1,227 @@
+"""Greedy generation with prefix reuse for Llama-style causal LMs in transformers 5.x.
+
+One request::
+
+    prompt ids --chain_keys--> keys[0..P)          P = (len(prompt) - 1) // B  (>= 1 token is prefilled)
+    store.longest_prefix(keys) = h                 load blocks 0..h into staging, one gather into landing
+    DynamicCache adopts the landing views          (no copy; transformers concatenates on the next forward)
+    forward(prompt[h*B:]) -> first token           only the uncached tokens are computed
+    decode loop (one token per forward)            greedy, stops at EOS or max_new_tokens
+    scatter the new full blocks -> store.write     blocks inside the shared prefix: Lifetime.PREFIX,
+                                                   the rest: the request's lifetime (SESSION for chats)
+
+Invariants:
+- Output equals the same loop with no store, bit for bit: the prefix KV of a causal LM does not depend
+  on later tokens, and the suffix forward reads exactly the K/V a full prefill would have produced
+  (checked by tests against ``model.generate``).
+- A failed, corrupt or incompatible load never reaches the model: any kvport error during lookup or
+  read drops the whole loaded prefix and the request recomputes from token 0 (``fallback`` says why).
+  Blocks of another model/revision/dtype/layout cannot even be looked up: every key chains from the
+  spec fingerprint (:mod:`kvport.keys`).
+- A failed store write is recorded (``store_error``) and never fails the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvport import metrics
+from kvport.engines.hf.layout import BlockLayout, cache_layers, dynamic_cache
+from kvport.engines.hf.port import BlockStore, Lifetime
+from kvport.errors import EngineError, KVPortError
+from kvport.keys import BlockKey, KeyContext, as_token_array, chain_keys
+from kvport.spec import DType, KVSpec, from_hf_config
+
+log = logging.getLogger(__name__)
+
+_TOKENS = metrics.counter("hf_prompt_tokens", "prompt tokens seen by the transformers adapter", ["source"])
+_FALLBACKS = metrics.counter("hf_load_fallbacks", "loads abandoned for a recompute", ["error"])
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    tokens: tuple[int, ...]  # generated ids (EOS included when produced)
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV was loaded from the store
+    computed_tokens: int  # prompt tokens prefilled by the model
+    ttft_s: float  # from the call to the first generated token (keys, lookup, load, prefill)
+    total_s: float
+    loaded_bytes: int
+    stored_blocks: int
+    fallback: str | None = None  # why a load was dropped (the request recomputed), None if it was not
+    store_error: str | None = None  # why storing the new blocks failed, None if it did not
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """What :meth:`HFEngine.load` found: ``blocks`` leading blocks now held by ``cache`` (None when 0)."""
+
+    blocks: int
+    cache: Any
+    fallback: str | None = None  # why a failed load was dropped (the caller recomputes)
+
+
+@dataclass(slots=True)
+class Prefill:
+    """The state after the prompt: a cache holding the prompt's KV and the first generated token."""
+
+    cache: Any
+    first_token: int
+    prompt: np.ndarray  # int64 ids
+    cached_blocks: int
+    loaded_bytes: int
+    fallback: str | None
+    seconds: float
+
+
+class HFEngine:
+    """Prefix-reusing greedy generation over one model, one spec and (optionally) one store.
+
+    ``store=None`` is generation without kvport: the same loop, nothing looked up or stored.
+    """
+
+    def __init__(self, model: Any, spec: KVSpec, store: BlockStore | None = None, *,
+                 key_ctx: KeyContext | None = None, eos_token_ids: Sequence[int] | None = None) -> None:
+        cfg = model.config.get_text_config(decoder=True)
+        n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        got = (cfg.num_hidden_layers, n_kv, head_dim)
+        if (spec.num_layers, spec.kv_heads_per_rank, spec.head_dim) != got or spec.tp_size != 1:
+            raise EngineError(f"spec {spec.model_id} (layers, kv heads, head dim) = "
+                              f"{(spec.num_layers, spec.kv_heads_per_rank, spec.head_dim)} does not match the "
+                              f"model's {got} (or tp_size != 1)")
+        self.model = model
+        self.spec = spec
+        self.store = store
+        self.layout = BlockLayout(spec)
+        if next(model.parameters()).dtype != self.layout.dtype:
+            raise EngineError(f"model dtype {next(model.parameters()).dtype} != spec dtype {spec.dtype.value}")
+        self.key_ctx = key_ctx or KeyContext(block_size=spec.block_size, spec_fingerprint=spec.fingerprint)
+        if self.key_ctx.block_size != spec.block_size or self.key_ctx.spec_fingerprint != spec.fingerprint:
+            raise EngineError("key context does not match the spec (block size or fingerprint)")
+        if eos_token_ids is None:
+            eos = getattr(model.generation_config, "eos_token_id", None) or getattr(cfg, "eos_token_id", None)
+            eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        self.eos = frozenset(int(t) for t in eos_token_ids)
+        self._one = torch.zeros((1, 1), dtype=torch.long)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path, store: BlockStore | None = None, **kw: Any) -> HFEngine:
+        """Load the model fp32 from an HF folder; spec from its config.json (dtype fp32)."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        return cls(model, from_hf_config(model_dir, dtype=DType.FP32), store, **kw)
+
+    # ------------------------------------------------------------------ pieces
+    def keys(self, tokens: Sequence[int] | np.ndarray) -> list[BlockKey]:
+        return chain_keys(tokens, self.key_ctx)
+
+    def _forward(self, ids: torch.Tensor, cache: Any) -> int:
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return int(out.logits[0, -1].argmax())
+
+    def load(self, keys: Sequence[BlockKey]) -> Loaded:
+        """The longest stored prefix of ``keys``, gathered into a fresh ``DynamicCache``."""
+        if self.store is None or not keys:
+            return Loaded(0, None)
+        try:
+            hit = min(self.store.longest_prefix(keys), len(keys))
+            if hit <= 0:
+                return Loaded(0, None)
+            staging = self.layout.staging(hit)
+            self.store.read_into(keys[:hit], staging)
+        except KVPortError as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            _FALLBACKS.labels(type(exc).__name__).inc()
+            log.warning("prefix load failed, recomputing: %s", reason)
+            return Loaded(0, None, reason)
+        return Loaded(hit, dynamic_cache(self.model.config, self.layout.gather_all(hit)))
+
+    def prefill(self, prompt: Sequence[int] | np.ndarray) -> Prefill:
+        """Load the longest cached prefix, compute the rest, return the cache and the first token."""
+        t0 = time.perf_counter()
+        ids = np.asarray(as_token_array(prompt), dtype=np.int64)
+        if ids.size == 0:
+            raise EngineError("empty prompt")
+        bs = self.spec.block_size
+        keys = self.keys(ids[: ((len(ids) - 1) // bs) * bs])
+        loaded = self.load(keys)
+        hit, cache, fallback = loaded.blocks, loaded.cache, loaded.fallback
+        start = hit * bs
+        if cache is None:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=self.model.config)
+        with torch.inference_mode():
+            first = self._forward(torch.from_numpy(ids[start:]).unsqueeze(0), cache)
+        _TOKENS.labels("loaded").inc(start)
+        _TOKENS.labels("computed").inc(len(ids) - start)
+        return Prefill(cache, first, ids, hit, hit * self.spec.bytes_per_block, fallback, time.perf_counter() - t0)
+
+    def decode(self, cache: Any, first_token: int, max_new_tokens: int) -> list[int]:
+        """Greedy tokens after ``first_token`` (included), one forward each, until EOS or the limit."""
+        out = [first_token]
+        with torch.inference_mode():
+            while len(out) < max_new_tokens and out[-1] not in self.eos:
+                self._one[0, 0] = out[-1]
+                out.append(self._forward(self._one, cache))
+        return out
+
+    def save(self, tokens: np.ndarray, cache: Any, *, skip_blocks: int, lifetime: Lifetime,
+             shared_prefix_tokens: int = 0) -> int:
+        """Write the full blocks of ``tokens`` (whose KV ``cache`` holds) after the first ``skip_blocks``.
+
+        Blocks that end inside the first ``shared_prefix_tokens`` tokens get ``Lifetime.PREFIX``.
+        Returns the number of blocks written.
+        """
+        if self.store is None:
+            return 0
+        layers = cache_layers(cache)
+        held = min(len(tokens), int(layers[0][0].shape[2]))
+        keys = self.keys(tokens[:held])
+        n_new = len(keys) - skip_blocks
+        if n_new <= 0:
+            return 0
+        blocks = self.layout.scatter_from_cache(layers, skip_blocks, n_new)
+        n_prefix = max(0, min(len(keys), shared_prefix_tokens // self.spec.block_size) - skip_blocks)
+        parent = keys[skip_blocks - 1] if skip_blocks else None
+        if n_prefix:
+            self.store.write(keys[skip_blocks : skip_blocks + n_prefix], blocks[:n_prefix], Lifetime.PREFIX, parent)
+            parent = keys[skip_blocks + n_prefix - 1]
+        if n_new > n_prefix:
+            self.store.write(keys[skip_blocks + n_prefix :], blocks[n_prefix:], lifetime, parent)
+        return n_new
+
+    # ------------------------------------------------------------------ one request
+    def generate(self, prompt: Sequence[int] | np.ndarray, max_new_tokens: int, *,
+                 lifetime: Lifetime = Lifetime.SESSION, shared_prefix_tokens: int = 0,
+                 store_output: bool = True) -> GenerationResult:
+        """Greedy generation reusing (and then storing) the prompt's KV blocks."""
+        if max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        t0 = time.perf_counter()
+        pf = self.prefill(prompt)
+        ttft = time.perf_counter() - t0
+        gen = self.decode(pf.cache, pf.first_token, max_new_tokens)
+        stored, store_error = 0, None
+        if self.store is not None:
+            # the cache holds the prompt and every generated token but the last
+            seq = np.concatenate([pf.prompt, np.asarray(gen[:-1], dtype=np.int64)])
+            try:
+                stored = self.save(seq if store_output else pf.prompt, pf.cache, skip_blocks=pf.cached_blocks,
+                                   lifetime=lifetime, shared_prefix_tokens=shared_prefix_tokens)
+            except KVPortError as exc:
+                store_error = f"{type(exc).__name__}: {exc}"
+                log.warning("storing KV blocks failed: %s", store_error)
+        n_cached = pf.cached_blocks * self.spec.block_size
+        return GenerationResult(tuple(gen), len(pf.prompt), n_cached, len(pf.prompt) - n_cached, ttft,
+                                time.perf_counter() - t0, pf.loaded_bytes, stored, pf.fallback, store_error)

@@ -1,0 +1,36 @@
+"""What the transformers adapter needs from a KV store: three calls, blocks in LKHTD layout.
+
+``out`` / ``blocks`` are contiguous tensors ``[n, *spec.block_shape]`` (see :mod:`.layout`); block ``i``
+belongs to ``keys[i]``. A store raises kvport errors only (``TierError`` family for a missing, corrupt
+or unreachable block, ``CodecError`` for an undecodable one); the engine turns any of them into a
+recompute of the affected tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from kvport.keys import BlockKey
+from kvport.store.lifetime import Lifetime
+
+__all__ = ["BlockStore", "Lifetime"]
+
+
+class BlockStore(Protocol):
+    def longest_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading ``keys`` are held (a block is useless without its whole prefix)."""
+        ...
+
+    def read_into(self, keys: Sequence[BlockKey], out: torch.Tensor) -> None:
+        """Copy the blocks of ``keys`` into ``out[: len(keys)]``; raise on any missing or bad block."""
+        ...
+
+    def write(self, keys: Sequence[BlockKey], blocks: torch.Tensor, lifetime: Lifetime,
+              parent: BlockKey | None = None) -> None:
+        """Store ``blocks[i]`` under ``keys[i]`` with ``lifetime`` (the store copies the bytes).
+
+        ``parent`` is the key before ``keys[0]`` in the chain (None at the root)."""
+        ...

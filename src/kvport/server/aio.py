@@ -1,0 +1,250 @@
+"""Asyncio byte streams and frame I/O for the server; every check is :mod:`kvport.transfer.wire`'s.
+
+Two streams with one interface (``recv_into(views)``, ``send(parts)``, ``close()``):
+
+- :class:`SockStream`: a plain non-blocking socket. Receives go straight into caller views with
+  ``loop.sock_recv_into`` and sends are ``socket.sendmsg`` of memoryviews, waiting for writability
+  only when the kernel buffer is full: no copy in Python on either side (the asyncio transport of
+  Python 3.11 copies every unsent remainder into a bytearray, which is why it is not used here).
+- :class:`TlsStream`: asyncio streams over ``ssl`` (optional, not the hot path: one copy per read).
+
+:class:`AsyncFrames` reads a frame in the order of :class:`kvport.transfer.framing.FrameIO`::
+
+    40 header bytes -> decode_header (caps) -> meta_len bytes -> decode_meta -> payload into views
+
+and the caller decides, between the head and the payload, whether to take, skip or refuse it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from kvport.errors import ChecksumError, PeerError, ProtocolError
+from kvport.transfer.transport import Buffer, as_byte_views
+from kvport.transfer.wire import (
+    CHECKSUM_BYTES,
+    HEADER_BYTES,
+    Flags,
+    FrameHeader,
+    Limits,
+    MsgType,
+    decode_header,
+    decode_meta,
+    encode_frame,
+    encode_header,
+    encode_meta,
+    error_meta,
+    verify_chunk,
+)
+
+_IOV_MAX = 512
+
+
+class AsyncStream(Protocol):
+    peer: str
+
+    async def recv_into(self, views: Sequence[memoryview]) -> None: ...
+
+    async def send(self, parts: Sequence[Buffer]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SockStream:
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.peer = peer
+        self._loop = asyncio.get_running_loop()
+
+    async def recv_into(self, views: Sequence[memoryview]) -> None:
+        """Fill every view in order: one ``recvmsg_into`` scatters into up to 512 views per call,
+        and the loop waits for readability only when the kernel buffer is empty."""
+        vs = as_byte_views(views)
+        i = 0
+        while i < len(vs):
+            try:
+                if len(vs) - i == 1:
+                    n = self.sock.recv_into(vs[i])
+                else:
+                    n = self.sock.recvmsg_into(vs[i : i + _IOV_MAX])[0]
+            except (BlockingIOError, InterruptedError):
+                await self._ready(self._loop.add_reader, self._loop.remove_reader)
+                continue
+            except OSError as exc:
+                raise PeerError(f"{self.peer}: receive failed: {exc}") from exc
+            if n == 0:
+                raise PeerError(f"{self.peer}: connection closed by peer")
+            while n:
+                m = vs[i].nbytes
+                if n >= m:
+                    n -= m
+                    i += 1
+                else:
+                    vs[i] = vs[i][n:]
+                    n = 0
+
+    async def send(self, parts: Sequence[Buffer]) -> None:
+        views = as_byte_views(parts)
+        i = 0
+        while i < len(views):
+            try:
+                n = self.sock.sendmsg(views[i : i + _IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                await self._ready(self._loop.add_writer, self._loop.remove_writer)
+                continue
+            except OSError as exc:
+                raise PeerError(f"{self.peer}: send failed: {exc}") from exc
+            while n:
+                m = views[i].nbytes
+                if n >= m:
+                    n -= m
+                    i += 1
+                else:
+                    views[i] = views[i][n:]
+                    n = 0
+
+    async def _ready(self, add: Callable[..., Any], remove: Callable[[int], bool]) -> None:
+        fut: asyncio.Future[None] = self._loop.create_future()
+        fd = self.sock.fileno()
+        if fd < 0:
+            raise PeerError(f"{self.peer}: socket closed")
+
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        add(fd, ready)
+        try:
+            await fut
+        finally:
+            remove(fd)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class TlsStream:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.peer = peer
+
+    async def recv_into(self, views: Sequence[memoryview]) -> None:
+        for v in views:
+            off = 0
+            while off < v.nbytes:
+                try:
+                    data = await self.reader.read(min(v.nbytes - off, 1 << 20))
+                except (ConnectionError, OSError) as exc:
+                    raise PeerError(f"{self.peer}: receive failed: {exc}") from exc
+                if not data:
+                    raise PeerError(f"{self.peer}: connection closed by peer")
+                v[off : off + len(data)] = data
+                off += len(data)
+
+    async def send(self, parts: Sequence[Buffer]) -> None:
+        try:
+            self.writer.writelines(parts)
+            await self.writer.drain()
+        except (ConnectionError, OSError) as exc:
+            raise PeerError(f"{self.peer}: send failed: {exc}") from exc
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class AsyncFrames:
+    """Frame reads/writes on one stream; one reader and one writer task at a time."""
+
+    def __init__(self, stream: AsyncStream, limits: Limits) -> None:
+        self.stream = stream
+        self.limits = limits
+        self._hdr = bytearray(HEADER_BYTES)
+        self._meta = bytearray(4096)
+        self._trailers = bytearray(CHECKSUM_BYTES * 64)
+
+    async def wait_frame(self) -> None:
+        """Wait for the first byte of the next frame (the idle wait; the rest has a deadline)."""
+        await self.stream.recv_into([memoryview(self._hdr)[:1]])
+
+    async def read_header(self) -> FrameHeader:
+        """The rest of the header after :meth:`wait_frame`, cap-checked before anything is allocated."""
+        await self.stream.recv_into([memoryview(self._hdr)[1:]])
+        return decode_header(self._hdr, self.limits)
+
+    async def read_chunks_into(self, hdr: FrameHeader, views: Sequence[memoryview]) -> int | None:
+        """Receive chunk ``i`` into ``views[i]`` (each exactly ``chunk_len(i)``), verifying every chunk.
+
+        Reads the whole payload even past a bad chunk (the stream stays in sync) and returns the
+        index of the first chunk that failed its checksum, or None."""
+        if len(views) != hdr.n_chunks:
+            raise ProtocolError(f"frame has {hdr.n_chunks} chunks, expected {len(views)}")
+        need = hdr.n_chunks * CHECKSUM_BYTES
+        if need > len(self._trailers):
+            self._trailers = bytearray(need)  # n_chunks is capped by the wire limits
+        tr = memoryview(self._trailers)
+        parts: list[memoryview] = []
+        for i, v in enumerate(views):
+            if v.nbytes != hdr.chunk_len(i):
+                raise ProtocolError(f"chunk {i} has {hdr.chunk_len(i)} bytes, expected {v.nbytes}")
+            parts += (v, tr[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES])
+        await self.stream.recv_into(parts)  # scatter: chunk i -> views[i], checksum i -> trailers
+        for i, v in enumerate(views):
+            try:
+                verify_chunk(v, tr[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES], i)
+            except ChecksumError:
+                return i
+        return None
+
+    async def read_meta(self, hdr: FrameHeader) -> dict[str, Any]:
+        if hdr.meta_len > len(self._meta):
+            self._meta = bytearray(hdr.meta_len)  # capped by decode_header
+        mv = memoryview(self._meta)[: hdr.meta_len]
+        if hdr.meta_len:
+            await self.stream.recv_into([mv])
+        return decode_meta(hdr, mv)
+
+    async def read_payload_into(self, hdr: FrameHeader, dst: memoryview) -> int | None:
+        """Receive the payload contiguously into ``dst[:payload_len]``; see :meth:`read_chunks_into`."""
+        if dst.nbytes < hdr.payload_len:
+            raise ProtocolError(f"payload of {hdr.payload_len} bytes for a {dst.nbytes}-byte buffer")
+        views = [dst[i * hdr.chunk_size : i * hdr.chunk_size + hdr.chunk_len(i)] for i in range(hdr.n_chunks)]
+        return await self.read_chunks_into(hdr, views)
+
+    async def skip_payload(self, hdr: FrameHeader, scratch: memoryview) -> None:
+        left = hdr.wire_payload_bytes
+        while left:
+            n = min(left, scratch.nbytes)
+            await self.stream.recv_into([scratch[:n]])
+            left -= n
+
+    async def send(self, msg_type: MsgType, meta: dict[str, Any] | None = None, chunks: Sequence[Buffer] = (),
+                   chunk_size: int | None = None, flags: Flags = Flags.NONE, corr_id: int = 0) -> None:
+        await self.stream.send(encode_frame(msg_type, meta, chunks, chunk_size, flags, corr_id))
+
+    def checksums(self, n_chunks: int) -> bytes:
+        """The checksum trailers of the payload just read by :meth:`read_chunks_into` (kept with
+        the value, so a GET resends them instead of hashing the value again)."""
+        return bytes(self._trailers[: n_chunks * CHECKSUM_BYTES])
+
+    async def send_checksummed(self, msg_type: MsgType, meta: dict[str, Any], chunks: Sequence[memoryview],
+                               checksums: bytes, chunk_size: int, flags: Flags, corr_id: int) -> None:
+        """A frame whose chunk checksums are already known (the ones verified when the value came in)."""
+        if len(checksums) != len(chunks) * CHECKSUM_BYTES:
+            raise ProtocolError(f"{len(chunks)} chunks but {len(checksums)} checksum bytes")
+        payload_len = sum(c.nbytes for c in chunks)
+        parts: list[Buffer] = [encode_header(msg_type, encode_meta(meta), payload_len, chunk_size, flags, corr_id)]
+        cs = memoryview(checksums)
+        for i, c in enumerate(chunks):
+            parts += (c, cs[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES])
+        await self.stream.send(parts)
+
+    async def send_error(self, msg_type: MsgType, exc: BaseException, corr_id: int) -> None:
+        await self.send(msg_type, error_meta(exc), flags=Flags.RESPONSE | Flags.ERROR, corr_id=corr_id)
+

@@ -1,0 +1,246 @@
+"""The kvport server process: configuration, listening, the tick, graceful shutdown.
+
+Memory: ``capacity_bytes`` is the whole process's budget, not just the host pool::
+
+    capacity = resident baseline (interpreter, libraries, measured at start)
+             + staging pool (limits.total_inflight_bytes: values bound for or read from disk)
+             + scratch (1 MiB) + host pool (the rest, preallocated and pre-faulted once)
+
+Shutdown on SIGTERM/SIGINT: stop accepting; ``/healthz`` turns 503; idle connections are closed;
+a connection in the middle of a request finishes it (PUTs are refused from now on with
+SHUTTING_DOWN) within ``drain_timeout_s``; then host values are spilled to disk while it has room,
+the manifest is fsynced and the tiers closed. A restart with the same ``--disk`` finds those
+blocks again (same server secret, so the same tenant-salted keys).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import secrets
+import signal
+import socket
+import ssl
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from kvport.errors import ConfigError, PeerError
+from kvport.server.aio import AsyncStream, SockStream, TlsStream
+from kvport.server.auth import is_loopback
+from kvport.server.blocks import BlockStore
+from kvport.server.conn import Connection, ConnState
+from kvport.server.handlers import Handlers
+from kvport.server.http import HttpEndpoint
+from kvport.server.limits import ServerLimits
+from kvport.server.manifest import Manifest
+from kvport.server.metrics import ServerMetrics
+from kvport.server.tenants import TenantTable, load_or_create_secret, load_tenants
+from kvport.tiers.base import Tier
+from kvport.tiers.host import HostTier
+from kvport.transfer.tcp import tune
+
+log = logging.getLogger(__name__)
+MiB = 1 << 20
+_MIN_HOST_PAGES = 4
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    capacity_bytes: int = 8 << 30
+    disk_dir: Path | None = None
+    disk_capacity_bytes: int | None = None  # None: 4 x capacity
+    page_bytes: int = 1 * MiB
+    http_port: int | None = None
+    tenants_file: Path | None = None
+    auth_token: str | None = field(default=None, repr=False)  # token of the default tenant (no tenants file)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    spill_on_shutdown: bool = True
+    drain_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("--tls-cert and --tls-key go together")
+        if self.page_bytes < 4096 or self.page_bytes & (self.page_bytes - 1):
+            raise ConfigError("page size must be a power of two of at least 4 KiB")
+        if self.limits.max_value_bytes > self.limits.total_inflight_bytes:
+            raise ConfigError("max value must fit the in-flight budget")
+
+
+def _disk_tier(folder: Path, capacity: int) -> Tier:
+    from kvport.tiers.disk import DiskTier
+
+    return DiskTier(folder / "blocks", capacity)
+
+
+def _host_tier(cfg: ServerConfig) -> HostTier:
+    """The host pool: whatever the capacity leaves after the measured baseline and the staging pool."""
+    HostTier(cfg.page_bytes, cfg.page_bytes, pin=False).close()  # load the pool's libraries first
+    baseline = psutil.Process().memory_info().rss
+    host_bytes = cfg.capacity_bytes - baseline - cfg.limits.total_inflight_bytes - MiB
+    if host_bytes < _MIN_HOST_PAGES * cfg.page_bytes:
+        raise ConfigError(f"capacity {cfg.capacity_bytes} leaves no room for a host pool (baseline {baseline} "
+                          f"bytes, in-flight {cfg.limits.total_inflight_bytes})")
+    return HostTier(host_bytes, cfg.page_bytes, pin=False, name="server-host")
+
+
+def _tls_context(cfg: ServerConfig) -> ssl.SSLContext | None:
+    if cfg.tls_cert is None or cfg.tls_key is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load TLS certificate/key: {exc}") from exc
+    return ctx
+
+
+class KVServer:
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.port = 0
+        self.http_port: int | None = None
+        self._ids = itertools.count(1)
+        self._tasks: dict[int, tuple[asyncio.Task[None], Connection]] = {}
+        self._accept: asyncio.Task[None] | None = None
+        self._tls_server: asyncio.Server | None = None
+        self._tick: asyncio.Task[None] | None = None
+        self._http: HttpEndpoint | None = None
+        self._lsock: socket.socket | None = None
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        tenants_list = load_tenants(cfg.tenants_file, cfg.auth_token)
+        secret = load_or_create_secret(cfg.disk_dir) if cfg.disk_dir else secrets.token_bytes(32)
+        tenants = TenantTable(tenants_list, secret)
+        if not is_loopback(cfg.host) and not tenants.all_have_tokens():
+            raise ConfigError(f"listening on {cfg.host!r} (beyond loopback) requires a token for every tenant")
+        tls = _tls_context(cfg)
+        disk = manifest = None
+        if cfg.disk_dir is not None:
+            disk = _disk_tier(cfg.disk_dir, cfg.disk_capacity_bytes or 4 * cfg.capacity_bytes)
+            manifest = Manifest(cfg.disk_dir)
+        store = BlockStore(_host_tier(cfg), disk, manifest, cfg.limits.retry_after_s)
+        store.recover()
+        self.h = Handlers(store, tenants, cfg.limits, ServerMetrics())
+        try:
+            self._lsock = socket.create_server((cfg.host, cfg.port), backlog=256)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {cfg.host}:{cfg.port}: {exc}") from exc
+        self.port = int(self._lsock.getsockname()[1])
+        if tls is None:
+            self._lsock.setblocking(False)
+            self._accept = asyncio.create_task(self._accept_loop(self._lsock))
+        else:
+            self._tls_server = await asyncio.start_server(
+                self._tls_conn, sock=self._lsock, ssl=tls, ssl_handshake_timeout=cfg.limits.handshake_timeout_s)
+        if cfg.http_port is not None:
+            self._http = HttpEndpoint(cfg.host, cfg.http_port, lambda: not self.h.draining, self.h.tick)
+            self.http_port = await self._http.start()
+        self._tick = asyncio.create_task(self._ticker())
+
+    # ------------------------------------------------------------ connections
+    async def _accept_loop(self, lsock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, addr = await loop.sock_accept(lsock)
+            except OSError as exc:
+                log.warning("accept failed: %s", exc)
+                await asyncio.sleep(0.05)
+                continue
+            tune(sock)
+            self._spawn(SockStream(sock, f"{addr[0]}:{addr[1]}"))
+
+    async def _tls_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """asyncio runs this callback as the connection's task (after the TLS handshake)."""
+        peer = writer.get_extra_info("peername")
+        conn = self._admit(TlsStream(reader, writer, f"{peer[0]}:{peer[1]}" if peer else "tls"))
+        task = asyncio.current_task()
+        if conn is not None and task is not None:
+            self._track(task, conn)
+            await conn.run()
+
+    def _spawn(self, stream: AsyncStream) -> None:
+        conn = self._admit(stream)
+        if conn is not None:
+            self._track(asyncio.create_task(conn.run()), conn)
+
+    def _admit(self, stream: AsyncStream) -> Connection | None:
+        if len(self._tasks) >= self.cfg.limits.max_connections or self.h.draining:
+            stream.close()
+            return None
+        return Connection(next(self._ids), stream, self.h)
+
+    def _track(self, task: asyncio.Task[None], conn: Connection) -> None:
+        cid = conn.id
+        self._tasks[cid] = (task, conn)
+
+        def done(_t: asyncio.Task[None]) -> None:
+            self._tasks.pop(cid, None)
+
+        task.add_done_callback(done)
+
+    async def _ticker(self) -> None:
+        while True:
+            self.h.tick()
+            await asyncio.sleep(1.0)
+
+    # ------------------------------------------------------------ shutdown
+    async def shutdown(self) -> None:
+        self.h.draining = True
+        if self._accept is not None:
+            self._accept.cancel()
+        if self._tls_server is not None:
+            self._tls_server.close()
+        if self._lsock is not None:
+            self._lsock.close()
+        for task, conn in list(self._tasks.values()):
+            if conn.state is not ConnState.BUSY:
+                task.cancel()
+        pending = [t for t, _ in self._tasks.values()]
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=self.cfg.drain_timeout_s)
+            for t in late:
+                t.cancel()
+            if late:
+                await asyncio.wait(late, timeout=1.0)
+        if self._tick is not None:
+            self._tick.cancel()
+        if self._http is not None:
+            await self._http.close()
+        store = self.h.store
+        if self.cfg.spill_on_shutdown:
+            spilled = store.spill([sk for sk, _ in store.catalog.items()][::-1])  # newest first
+            log.info("spilled %d host blocks to disk", spilled)
+        store.close()
+
+
+async def serve(cfg: ServerConfig, announce: bool = True) -> None:
+    """Run until SIGTERM/SIGINT, then shut down gracefully."""
+    server = KVServer(cfg)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if announce:
+        print(json.dumps({"event": "listening", "host": cfg.host, "port": server.port, "http_port": server.http_port,
+                          "page_bytes": cfg.page_bytes, "host_capacity": server.h.store.catalog.host_capacity,
+                          "disk_capacity": server.h.store.catalog.disk_capacity}), flush=True)
+    await stop.wait()
+    with contextlib.suppress(PeerError):
+        await server.shutdown()
+    if announce:
+        print(json.dumps({"event": "stopped"}), flush=True)
+    sys.stdout.flush()

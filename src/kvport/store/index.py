@@ -1,0 +1,139 @@
+"""TierIndex: what one tier holds, as the store sees it: sizes, prefix tree, eviction order.
+
+Pure Python, no I/O: the store drives one index per tier, and ``kvport bench trace`` replays a trace
+through the same objects without moving bytes.
+
+Prefix tree: each entry names its parent (the previous block of the same prefix, or None) and counts
+its children present *in this index*. Only leaves (no children here) are eviction candidates, so a
+parent never leaves before its children::
+
+    heap of (priority, seq, key) for leaves only; lazy deletion:
+    an entry is stale when the key is gone, its priority changed, or it gained a child.
+    When a leaf leaves, its parent may become a leaf and is pushed with its current priority.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from kvport.store.eviction import EvictionPolicy
+
+
+@dataclass(slots=True)
+class _Entry:
+    size: int
+    priority: float
+    parent: bytes | None
+    children: int = 0
+
+
+class TierIndex:
+    def __init__(self, policy: EvictionPolicy, capacity: int) -> None:
+        self.policy = policy
+        self.capacity = capacity
+        self.used = 0
+        self._entries: dict[bytes, _Entry] = {}
+        self._heap: list[tuple[float, int, bytes]] = []
+        self._seq = itertools.count()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list[bytes]:
+        return list(self._entries)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(list(self._entries))
+
+    def size_of(self, key: bytes) -> int | None:
+        e = self._entries.get(key)
+        return None if e is None else e.size
+
+    def children(self, key: bytes) -> int:
+        e = self._entries.get(key)
+        return 0 if e is None else e.children
+
+    def _push(self, key: bytes, e: _Entry) -> None:
+        heapq.heappush(self._heap, (e.priority, next(self._seq), key))
+
+    # ------------------------------------------------------------------ changes
+    def add(self, key: bytes, size: int, parent: bytes | None = None) -> None:
+        """Insert ``key`` (or refresh it as a hit when present)."""
+        e = self._entries.get(key)
+        if e is not None:
+            self.touch(key)
+            return
+        e = _Entry(size, self.policy.on_insert(key), parent if parent in self._entries else None)
+        self._entries[key] = e
+        self.used += size
+        if e.parent is not None:
+            self._entries[e.parent].children += 1
+        self._push(key, e)
+
+    def touch(self, key: bytes) -> None:
+        e = self._entries.get(key)
+        if e is None:
+            return
+        e.priority = self.policy.on_hit(key)
+        if e.children == 0:
+            self._push(key, e)
+
+    def remove(self, key: bytes, *, evicted: bool = False) -> int:
+        """Drop ``key``; returns its size (0 when absent). Its children lose their parent link."""
+        e = self._entries.pop(key, None)
+        if e is None:
+            return 0
+        self.used -= e.size
+        if evicted:
+            self.policy.on_evict(key, e.priority)
+        self.policy.on_remove(key)
+        if e.parent is not None:
+            p = self._entries.get(e.parent)
+            if p is not None:
+                p.children -= 1
+                if p.children == 0:
+                    self._push(e.parent, p)
+        if e.children:
+            for c in self._entries.values():  # rare: only when a non-leaf is removed on purpose
+                if c.parent == key:
+                    c.parent = None
+        return e.size
+
+    # ------------------------------------------------------------------ eviction order
+    def victims(self, evictable: Callable[[bytes], bool] = lambda _k: True) -> Iterator[bytes]:
+        """Leaves in eviction order (lowest priority first), skipping keys ``evictable`` refuses.
+
+        The caller removes each yielded key (``remove(key, evicted=True)``) before asking for the
+        next; a parent whose last child left becomes a candidate in the same pass. Skipped keys are
+        pushed back when the iterator finishes."""
+        skipped: list[tuple[float, int, bytes]] = []
+        current: tuple[float, int, bytes] | None = None
+        try:
+            while self._heap:
+                item = heapq.heappop(self._heap)
+                prio, _, key = item
+                e = self._entries.get(key)
+                if e is None or e.priority != prio or e.children:
+                    continue  # stale
+                if not evictable(key):
+                    skipped.append(item)
+                    continue
+                current = item
+                yield key
+                current = None
+                if key in self._entries:  # caller kept it: it stays a candidate
+                    skipped.append(item)
+        finally:
+            if current is not None and current[2] in self._entries:  # the caller stopped before removing it
+                skipped.append(current)
+            for item in skipped:
+                heapq.heappush(self._heap, item)
+
+    def over(self, limit: int) -> bool:
+        return self.used > limit

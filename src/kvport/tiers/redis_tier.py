@@ -1,0 +1,268 @@
+"""RedisTier: values in a Redis / Valkey (or Redis Cluster) server, chunked well under the 512 MiB bulk limit.
+
+Keys (hex inside a hash tag, so every part of a value lands on one cluster slot, in order)::
+
+    <prefix>{<key hex>}        header, 24 bytes: magic b"KVPR" | version u32 | length u64 | xxh3_64 u64 (LE)
+    <prefix>{<key hex>}:<i>    payload chunk i = payload[i*chunk : (i+1)*chunk], i = 0 .. ceil(n/chunk)-1
+
+The payload goes out as views of the caller's buffer (no concatenation copy). A put pipelines the
+chunks first and the header last; a delete removes the header first. So a header, which is what
+``contains`` and ``size_of`` read, is only ever visible with its chunks behind it. A get pipelines
+the header and chunk 0 of every value (one round trip for values of one chunk), fetches further
+chunks in a second round trip, checks length and (``verify=True``) checksum, and copies into the
+caller's buffer; a missing or short chunk (e.g. Redis evicted it under ``maxmemory``) is
+CorruptBlockError and the value is dropped. TTLs (session lifetime) are set on every part with PX.
+Connection failures and timeouts are TierUnavailableError; a Redis out-of-memory answer is
+TierFullError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import redis
+import xxhash
+
+from kvport.errors import BlockNotFoundError, CorruptBlockError, TierError, TierFullError, TierUnavailableError
+from kvport.tiers.base import Buffer, Tier, TierCaps, byte_view, writable_view
+
+_HEADER = struct.Struct("<4sIQQ")
+HEADER_BYTES = _HEADER.size  # 24
+_MAGIC = b"KVPR"
+DEFAULT_CHUNK = 64 << 20
+
+
+def _map(name: str, exc: Exception) -> TierError:
+    if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+        return TierUnavailableError(f"{name}: redis unavailable: {exc}")
+    if isinstance(exc, redis.ResponseError) and str(exc).startswith("OOM"):
+        return TierFullError(f"{name}: redis is out of memory: {exc}")
+    return TierError(f"{name}: redis error: {exc}")
+
+
+class RedisTier(Tier):
+    def __init__(self, url: str, *, name: str = "redis", prefix: str = "kvport:", capacity_bytes: int = 1 << 40,
+                 chunk_bytes: int = DEFAULT_CHUNK, verify: bool = True, cluster: bool = False,
+                 socket_timeout_s: float = 5.0, max_value_bytes: int = 4 << 30) -> None:
+        if not 0 < chunk_bytes <= 256 << 20:
+            raise TierError(f"chunk_bytes must be in (0, 256 MiB], got {chunk_bytes}")
+        self.name = name
+        self.prefix = prefix.encode()
+        self.chunk_bytes = chunk_bytes
+        self.verify = verify
+        self.cluster = cluster
+        self._capacity = capacity_bytes
+        self.caps = TierCaps(persistent=True, shared=True, zero_copy_read=False, max_value_bytes=max_value_bytes,
+                             native_ttl=True)
+        kw: dict[str, Any] = {"socket_timeout": socket_timeout_s, "socket_connect_timeout": min(1.0, socket_timeout_s)}
+        try:
+            if cluster:
+                from redis.cluster import RedisCluster
+
+                self._r: Any = RedisCluster.from_url(url, **kw)
+            else:
+                self._r = redis.Redis.from_url(url, retry_on_timeout=False, **kw)
+        except (redis.RedisError, ValueError) as exc:
+            raise TierUnavailableError(f"{name}: cannot connect to {url}: {exc}") from exc
+
+    # ------------------------------------------------------------------ layout
+    def _k(self, key: bytes) -> bytes:
+        return self.prefix + b"{" + key.hex().encode() + b"}"
+
+    def _c(self, key: bytes, i: int) -> bytes:
+        return self._k(key) + b":" + str(i).encode()
+
+    def _chunks(self, n: int) -> int:
+        return max(1, -(-n // self.chunk_bytes))
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        try:
+            return int(self._r.info("memory")["used_memory"])
+        except redis.RedisError as exc:
+            raise _map(self.name, exc) from exc
+
+    def _pipe(self) -> Any:
+        return self._r.pipeline(transaction=False)
+
+    # ------------------------------------------------------------------ put
+    def _queue_put(self, pipe: Any, key: bytes, data: Buffer, ttl_s: float | None) -> None:
+        src = byte_view(data)
+        n = src.nbytes
+        if n > self.caps.max_value_bytes:
+            raise TierFullError(f"{self.name}: value of {n} bytes exceeds max_value_bytes")
+        digest = xxhash.xxh3_64_intdigest(src) if self.verify else 0
+        px = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        cb = self.chunk_bytes
+        for i in range(self._chunks(n)):
+            pipe.set(self._c(key, i), src[i * cb : (i + 1) * cb], px=px)
+        pipe.set(self._k(key), _HEADER.pack(_MAGIC, 1, n, digest), px=px)  # last: the value is complete
+
+    def put(self, key: bytes, data: Buffer, *, ttl_s: float | None = None) -> None:
+        self.put_many([(key, data)], ttl_s=ttl_s)
+
+    def put_many(self, items: Sequence[tuple[bytes, Buffer]], *, ttl_s: float | None = None) -> None:
+        pipe = self._pipe()
+        for key, data in items:
+            self._queue_put(pipe, key, data, ttl_s)
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            raise _map(self.name, exc) from exc
+
+    # ------------------------------------------------------------------ get
+    def _head(self, keys: Sequence[bytes]) -> list[tuple[int, int] | None]:
+        """(length, digest) per key from its header, or None when absent; (-1, 0) when malformed."""
+        pipe = self._r.pipeline(transaction=False)
+        for k in keys:
+            pipe.get(self._k(k))
+        try:
+            heads = pipe.execute()
+        except redis.RedisError as exc:
+            raise _map(self.name, exc) from exc
+        out: list[tuple[int, int] | None] = []
+        for h in heads:
+            if not h:
+                out.append(None)
+                continue
+            if len(h) != HEADER_BYTES:
+                out.append((-1, 0))
+                continue
+            magic, _, n, digest = _HEADER.unpack(h)
+            out.append((n, digest) if magic == _MAGIC else (-1, 0))
+        return out
+
+    def get_into(self, key: bytes, dst: Buffer) -> int:
+        res = self._get_many([(key, dst)], raise_missing=True)[0]
+        assert res is not None
+        return res
+
+    def get_many_into(self, items: Sequence[tuple[bytes, Buffer]]) -> list[int | None]:
+        return self._get_many(items, raise_missing=False)
+
+    def _get_many(self, items: Sequence[tuple[bytes, Buffer]], raise_missing: bool) -> list[int | None]:
+        pipe = self._r.pipeline(transaction=False)
+        for key, _ in items:
+            pipe.get(self._k(key))
+            pipe.get(self._c(key, 0))
+        try:
+            firsts = pipe.execute()
+        except redis.RedisError as exc:
+            raise _map(self.name, exc) from exc
+        rest = self._r.pipeline(transaction=False)
+        plans: list[tuple[bytes, memoryview, int, int] | None] = []
+        for j, (key, dst) in enumerate(items):
+            head, chunk0 = firsts[2 * j], firsts[2 * j + 1]
+            if head is None:
+                if raise_missing:
+                    raise BlockNotFoundError(f"{self.name}: no block {key.hex()}")
+                plans.append(None)
+                continue
+            if len(head) != HEADER_BYTES or head[:4] != _MAGIC:
+                self._drop_bad(key, "bad header", raise_missing)
+                plans.append(None)
+                continue
+            _, _, n, digest = _HEADER.unpack(head)
+            out_mv = writable_view(dst, n)
+            want0 = min(n, self.chunk_bytes)
+            if chunk0 is None or len(chunk0) != want0:
+                self._drop_bad(key, "missing or short chunk 0", raise_missing)
+                plans.append(None)
+                continue
+            out_mv[:want0] = chunk0
+            for i in range(1, self._chunks(n)):
+                rest.get(self._c(key, i))
+            plans.append((key, out_mv, n, digest))
+        try:
+            chunks = rest.execute() if len(rest) else []
+        except redis.RedisError as exc:
+            raise _map(self.name, exc) from exc
+        out: list[int | None] = []
+        ci = 0
+        cb = self.chunk_bytes
+        for plan in plans:
+            if plan is None:
+                out.append(None)
+                continue
+            key, out_mv, n, digest = plan
+            ok = True
+            for i in range(1, self._chunks(n)):
+                c = chunks[ci]
+                ci += 1
+                want = min(cb, n - i * cb)
+                if c is None or len(c) != want:
+                    ok = False
+                    continue
+                out_mv[i * cb : i * cb + want] = c
+            if not ok:
+                self._drop_bad(key, "missing or short chunk", raise_missing)
+                out.append(None)
+                continue
+            if self.verify and xxhash.xxh3_64_intdigest(out_mv[:n]) != digest:
+                self._drop_bad(key, "checksum mismatch", raise_missing)
+                out.append(None)
+                continue
+            out.append(n)
+        return out
+
+    def _drop_bad(self, key: bytes, why: str, raise_it: bool) -> None:
+        self.delete(key)
+        if raise_it:
+            raise CorruptBlockError(f"{self.name}: block {key.hex()}: {why}; dropped")
+
+    # ------------------------------------------------------------------ metadata
+    def size_of(self, key: bytes) -> int | None:
+        h = self._head([key])[0]
+        return None if h is None or h[0] < 0 else h[0]
+
+    def contains(self, key: bytes) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Iterable[bytes]) -> list[bool]:
+        ks = list(keys)
+        if not ks:
+            return []
+        pipe = self._r.pipeline(transaction=False)
+        for k in ks:
+            pipe.exists(self._k(k))
+        try:
+            return [bool(x) for x in pipe.execute()]
+        except redis.RedisError as exc:
+            raise _map(self.name, exc) from exc
+
+    def ttl_of(self, key: bytes) -> float | None:
+        """Seconds left before Redis expires the value; None when it has no TTL or is absent."""
+        try:
+            ms = int(self._r.pttl(self._k(key)))
+        except redis.RedisError as exc:
+            raise _map(self.name, exc) from exc
+        return None if ms < 0 else ms / 1000
+
+    def delete(self, key: bytes) -> bool:
+        h = self._head([key])[0]
+        n = 0 if h is None or h[0] < 0 else h[0]
+        try:
+            gone = bool(self._r.delete(self._k(key)))  # the header first: the value is gone at once
+            self._r.delete(*[self._c(key, i) for i in range(self._chunks(n))])
+        except redis.RedisError as exc:
+            raise _map(self.name, exc) from exc
+        return gone
+
+    def keys(self) -> Iterator[bytes]:
+        plen = len(self.prefix) + 1
+        try:
+            found = list(self._r.scan_iter(match=self.prefix + b"{*}", count=1000))
+        except redis.RedisError as exc:
+            raise _map(self.name, exc) from exc
+        return iter([bytes.fromhex(k[plen:-1].decode()) for k in found if k.endswith(b"}")])
+
+    def close(self) -> None:
+        with contextlib.suppress(redis.RedisError):
+            self._r.close()

@@ -1,0 +1,399 @@
+"""Shared-memory transport for two processes on one host: a byte ring per direction.
+
+Each side creates its *outgoing* ring (``slot_bytes x n_slots`` bytes in /dev/shm), names it to the
+peer over a connected control socket, maps the peer's ring, and unlinks its own once both are
+mapped (so nothing leaks if a process dies). Bytes flow as a stream::
+
+    sender:   copy parts at head % R -> FILLED(pos, n) (at the end of send(), or every R/4 bytes)
+    receiver: copy from the ring into its own buffers -> FREED(consumed_total) every R/4 bytes and
+              before it blocks, so the sender never waits on space the receiver already drained
+
+Control messages are 16 bytes ``<BxHIQ`` (kind, region, nbytes, position) on the control socket;
+FILLED/DESC/REG describe the sender's memory, FREED/MAPPED answer them. The sender never overwrites
+bytes the receiver has not consumed; the receiver copies out, so the destination buffers are its own.
+
+Registered memory (:meth:`ShmTransport.register`): a producer that writes its KV into a registered
+buffer sends it as descriptors (DESC region/offset/nbytes); the receiver copies straight from there
+into its own buffers -- one copy in all, like NIXL registered memory. Such buffers must stay
+unchanged until the transfer is committed (``Sender.end`` returned). Parts under 64 KiB always go
+through the ring. EOF or a timeout on the control socket is a PeerError.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import mmap
+import os
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvport.errors import PeerError
+from kvport.transfer.transport import Buffer, as_byte_views
+
+_CTRL = struct.Struct("<BxHIQ")  # kind, slot/region, nbytes, offset
+_FILLED, _FREED, _DESC, _REG, _MAPPED = 1, 2, 3, 5, 6
+_NAME_BYTES = 64
+_DESC_MIN = 64 << 10  # smaller parts are copied through the ring
+_HELLO = struct.Struct("<HII")  # name length, slot_bytes, n_slots
+
+
+def _sendall(sock: socket.socket, data: bytes, what: str) -> None:
+    try:
+        sock.sendall(data)
+    except TimeoutError as exc:
+        raise PeerError(f"shm: {what} timed out") from exc
+    except OSError as exc:
+        raise PeerError(f"shm: {what} failed: {exc}") from exc
+
+
+def _recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
+    out = bytearray()
+    try:
+        while len(out) < n:
+            b = sock.recv(n - len(out))
+            if not b:
+                raise PeerError(f"shm: peer closed during {what}")
+            out += b
+    except TimeoutError as exc:
+        raise PeerError(f"shm: {what} timed out") from exc
+    except OSError as exc:
+        raise PeerError(f"shm: {what} failed: {exc}") from exc
+    return bytes(out)
+
+
+class _Segment:
+    """A POSIX shared-memory file (/dev/shm) mapped read-write; unlinked as soon as both sides map it
+    (no resource-tracker bookkeeping, nothing left behind if a process dies)."""
+
+    DIR = "/dev/shm"
+
+    def __init__(self, name: str, fd: int, size: int) -> None:
+        self.name, self.size = name, size
+        try:
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.mv = memoryview(self.map)
+
+    @classmethod
+    def create(cls, size: int) -> _Segment:
+        name = f"kvport-{os.getpid()}-{secrets.token_hex(6)}"
+        try:
+            fd = os.open(os.path.join(cls.DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(fd, size)
+        except OSError as exc:
+            raise PeerError(f"shm: cannot create a {size}-byte ring: {exc}") from exc
+        return cls(name, fd, size)
+
+    @classmethod
+    def attach(cls, name: str, size: int) -> _Segment:
+        if not name.startswith("kvport-") or "/" in name or ".." in name:
+            raise PeerError(f"shm: peer named an unexpected segment {name!r}")
+        try:
+            fd = os.open(os.path.join(cls.DIR, name), os.O_RDWR)
+            if os.fstat(fd).st_size < size:
+                os.close(fd)
+                raise PeerError(f"shm: segment {name} is smaller than announced")
+        except OSError as exc:
+            raise PeerError(f"shm: cannot map the peer's ring {name!r}: {exc}") from exc
+        return cls(name, fd, size)
+
+    def unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.DIR, self.name))
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError):  # views still held elsewhere keep the mapping alive
+            self.mv.release()
+            self.map.close()
+
+
+class ShmTransport:
+    def __init__(self, ctrl: socket.socket, slot_bytes: int = 1 << 20, n_slots: int = 8,
+                 timeout_s: float | None = 30.0) -> None:
+        self.name = "shm"
+        self.ctrl = ctrl
+        self.timeout_s = timeout_s
+        ctrl.settimeout(timeout_s)
+        self.slot_bytes, self.n_slots = slot_bytes, n_slots
+        self._out = _Segment.create(slot_bytes * n_slots)
+        self._in: _Segment | None = None
+        try:
+            name = self._out.name.encode()
+            _sendall(ctrl, _HELLO.pack(len(name), slot_bytes, n_slots) + name, "handshake")
+            ln, self.in_slot_bytes, in_slots = _HELLO.unpack(_recv_exact(ctrl, _HELLO.size, "handshake"))
+            if ln > _NAME_BYTES or not 0 < self.in_slot_bytes <= (1 << 30) or not 0 < in_slots <= 4096:
+                raise PeerError("shm: peer announced an implausible ring")
+            peer_name = _recv_exact(ctrl, ln, "handshake").decode("ascii", "replace")
+            self._in = _Segment.attach(peer_name, self.in_slot_bytes * in_slots)
+            _sendall(ctrl, b"A", "handshake")
+            _recv_exact(ctrl, 1, "handshake")
+        finally:
+            self._out.unlink()  # both sides mapped it (or the handshake failed): nothing left to leak
+        self._out_mv: memoryview = self._out.mv
+        self._in_mv: memoryview = self._in.mv
+        self.ring_bytes = slot_bytes * n_slots
+        self.in_ring_bytes = self.in_slot_bytes * in_slots
+        # sender: bytes written into my ring (head), published to the peer, freed by the peer
+        self._head = self._published = self._freed = 0
+        # receiver: incoming stream in order: (kind, region, position, nbytes); bytes consumed / acked
+        self._ready: collections.deque[tuple[int, int, int, int]] = collections.deque()
+        self._cur_in: tuple[int, int, int, int] | None = None
+        self._cur_in_off = 0
+        self._consumed = self._acked = 0
+        self._regions: list[tuple[int, int, _Segment]] = []  # my registered memory: (address, size, segment)
+        self._peer_regions: dict[int, _Segment] = {}
+        self._rbuf = bytearray()
+        self._pump_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._ctrl_wlock = threading.Lock()
+        self._txq = bytearray()  # queued FILLED / DESC messages of the current send()
+        self._peer_gone = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ registered memory
+    def register(self, nbytes: int) -> memoryview:
+        """A buffer the peer maps too: bytes sent *from* it travel as descriptors, and the receiver
+        copies them straight into its own buffers (one copy in all, like NIXL registered memory).
+        The producer writes its KV here; ``send`` returns once the peer has copied them out."""
+        seg = _Segment.create(nbytes)
+        rid = len(self._regions)
+        self._regions.append((_address(seg.mv), nbytes, seg))
+        name = seg.name.encode()
+        self._ctrl_send(_CTRL.pack(_REG, rid, len(name), nbytes) + name.ljust(_NAME_BYTES, b"\0"), "register")
+        return seg.mv
+
+    def _region_of(self, v: memoryview) -> tuple[int, int] | None:
+        if not self._regions or v.nbytes < _DESC_MIN:
+            return None
+        addr = _address(v)
+        for rid, (base, size, _) in enumerate(self._regions):
+            if base <= addr and addr + v.nbytes <= base + size:
+                return rid, addr - base
+        return None
+
+    # ------------------------------------------------------------------ control
+    def _pump(self, timeout: float | None) -> bool:
+        """Read available control messages (waiting up to ``timeout``); True if any arrived."""
+        with self._pump_lock:
+            if self._closed:
+                raise PeerError("shm: transport closed")
+            try:
+                r, _, _ = select.select([self.ctrl], [], [], timeout)
+                if not r:
+                    return False
+                data = self.ctrl.recv(65536)
+            except OSError as exc:
+                raise PeerError(f"shm: control channel failed: {exc}") from exc
+            if not data:
+                raise PeerError("shm: peer closed the connection")
+            self._rbuf += data
+            off = 0
+            while len(self._rbuf) - off >= _CTRL.size:
+                kind, ident, nb, pos = _CTRL.unpack_from(self._rbuf, off)
+                if kind == _REG:
+                    if len(self._rbuf) - off < _CTRL.size + _NAME_BYTES:
+                        break
+                    raw = bytes(self._rbuf[off + _CTRL.size : off + _CTRL.size + min(nb, _NAME_BYTES)])
+                    self._on_reg(ident, raw.decode("ascii", "replace"), pos)
+                    off += _CTRL.size + _NAME_BYTES
+                    continue
+                off += _CTRL.size
+                if kind == _FILLED and nb > 0 and pos + nb <= self.in_ring_bytes:
+                    self._ready.append((_FILLED, 0, pos, nb))
+                elif kind == _DESC and ident in self._peer_regions and pos + nb <= self._peer_regions[ident].size:
+                    self._ready.append((_DESC, ident, pos, nb))
+                elif kind == _FREED and self._freed <= pos <= self._published:
+                    self._freed = pos  # cumulative bytes of my ring the peer consumed
+                elif kind == _MAPPED and ident < len(self._regions):
+                    self._regions[ident][2].unlink()  # the peer mapped it: nothing left to leak
+                else:
+                    raise PeerError(f"shm: bad control message kind={kind} id={ident} n={nb} off={pos}")
+            del self._rbuf[:off]
+            return True
+
+    def _on_reg(self, rid: int, name: str, size: int) -> None:
+        if rid in self._peer_regions or size > (1 << 40):
+            raise PeerError(f"shm: bad region registration {rid} {name!r}")
+        self._peer_regions[rid] = _Segment.attach(name, size)
+        self._ctrl_send(_CTRL.pack(_MAPPED, rid, 0, 0), "register")
+
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        while not ready():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise PeerError(f"shm: {what} timed out (peer stopped {'reading' if what == 'send' else 'sending'})")
+            self._pump(0.05 if left is None else min(0.05, left))
+
+    # ------------------------------------------------------------------ send
+    def _publish(self) -> None:
+        """Announce written, unannounced ring bytes (never wrapping within one message)."""
+        while self._published < self._head:
+            pos = self._published % self.ring_bytes
+            n = min(self._head - self._published, self.ring_bytes - pos)
+            self._published += n  # before the message: the peer's FREED may be handled at once
+            self._txq += _CTRL.pack(_FILLED, 0, n, pos)
+
+    def send(self, parts: Sequence[Buffer]) -> None:
+        """Copy parts into the ring (or describe registered ones); returns once all are announced.
+        Registered buffers must stay unchanged until the transfer commits (the peer copies later)."""
+        with self._send_lock:
+            rb = self.ring_bytes
+            for v in as_byte_views(parts):
+                reg = self._region_of(v)
+                if reg is not None:  # zero-copy: the peer copies straight from my registered memory
+                    self._publish()
+                    self._txq += _CTRL.pack(_DESC, reg[0], v.nbytes, reg[1])
+                    continue
+                off = 0
+                while off < v.nbytes:
+                    space = rb - (self._head - self._freed)
+                    if space == 0:
+                        self._publish()
+                        self._flush()
+                        self._wait(lambda: self._head - self._freed < rb, "send")
+                        continue
+                    pos = self._head % rb
+                    n = min(v.nbytes - off, space, rb - pos)
+                    self._out_mv[pos : pos + n] = v[off : off + n]
+                    off += n
+                    self._head += n
+                    if self._head - self._published >= rb // 4:
+                        self._publish()
+                        self._flush()
+            self._publish()
+            self._flush()
+
+    def _flush(self) -> None:
+        """One write for every queued FILLED / DESC message, in stream order."""
+        if self._txq:
+            self._ctrl_send(bytes(self._txq), "send")
+            self._txq.clear()
+
+    def _ctrl_send(self, data: bytes, what: str) -> None:
+        with self._ctrl_wlock:  # sender and receiver threads share the control socket
+            _sendall(self.ctrl, data, what)
+
+    # ------------------------------------------------------------------ receive
+    def _ack(self) -> None:
+        if self._consumed > self._acked and not self._peer_gone:
+            try:
+                self._ctrl_send(_CTRL.pack(_FREED, 0, 0, self._consumed), "receive")
+            except PeerError:
+                self._peer_gone = True  # what it already published is still readable; EOF comes next
+            self._acked = self._consumed
+
+    def recv_into(self, parts: Sequence[memoryview]) -> None:
+        for v in as_byte_views(parts):
+            off = 0
+            while off < v.nbytes:
+                if self._cur_in is None:
+                    if not self._ready:
+                        self._ack()  # never block while holding the sender's ring space
+                        self._wait(lambda: bool(self._ready), "receive")
+                    self._cur_in, self._cur_in_off = self._ready.popleft(), 0
+                kind, ident, pos, length = self._cur_in
+                n = min(v.nbytes - off, length - self._cur_in_off)
+                base = pos + self._cur_in_off
+                src = self._in_mv if kind == _FILLED else self._peer_regions[ident].mv
+                v[off : off + n] = src[base : base + n]
+                off += n
+                self._cur_in_off += n
+                if kind == _FILLED:
+                    self._consumed += n
+                if self._cur_in_off == length:
+                    self._cur_in = None
+        if self._consumed - self._acked >= self.in_ring_bytes // 4:
+            self._ack()
+
+    def readable(self, timeout: float) -> bool:
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            if self._cur_in is not None or self._ready:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                self._pump(left)
+            except PeerError:
+                return True  # EOF / failure: the next read raises it
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self.ctrl.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked on the control socket
+        with contextlib.suppress(OSError):
+            self.ctrl.close()
+        for _, _, mine in self._regions:
+            mine.unlink()
+        for seg in [self._out, self._in, *(r[2] for r in self._regions), *self._peer_regions.values()]:
+            if seg is not None:
+                seg.close()
+
+
+def _address(v: memoryview) -> int:
+    return int(np.frombuffer(v, dtype=np.uint8).ctypes.data)
+
+
+class ShmListener:
+    """Control-channel listener: a Unix socket in the abstract namespace (same host only, never
+    reachable from the network; peer exit reads as EOF after its last message, not a reset)."""
+
+    def __init__(self, address: str | None = None) -> None:
+        self.address = address or f"kvport-shm-{os.getpid()}-{secrets.token_hex(6)}"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.bind("\0" + self.address)
+            self.sock.listen(16)
+        except OSError as exc:
+            self.sock.close()
+            raise PeerError(f"shm: cannot listen on @{self.address}: {exc}") from exc
+
+    def accept(self, slot_bytes: int = 1 << 20, n_slots: int = 8, timeout_s: float | None = 30.0) -> ShmTransport:
+        self.sock.settimeout(timeout_s)
+        try:
+            conn, _ = self.sock.accept()
+        except OSError as exc:
+            raise PeerError(f"shm: accept failed: {exc}") from exc
+        return ShmTransport(conn, slot_bytes, n_slots, timeout_s)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def connect(address: str, slot_bytes: int = 1 << 20, n_slots: int = 8,
+            timeout_s: float | None = 30.0) -> ShmTransport:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect("\0" + address)
+    except OSError as exc:
+        sock.close()
+        raise PeerError(f"shm: cannot connect to @{address}: {exc}") from exc
+    return ShmTransport(sock, slot_bytes, n_slots, timeout_s)
+
+
+def pair(slot_bytes: int = 1 << 20, n_slots: int = 8,
+         timeout_s: float | None = 30.0) -> tuple[ShmTransport, ShmTransport]:
+    """Two connected endpoints in one process (tests): the handshake runs on two threads."""
+    a_sock, b_sock = socket.socketpair()
+    out: list[ShmTransport] = []
+    th = threading.Thread(target=lambda: out.append(ShmTransport(b_sock, slot_bytes, n_slots, timeout_s)))
+    th.start()
+    a = ShmTransport(a_sock, slot_bytes, n_slots, timeout_s)
+    th.join()
+    if not out:
+        raise PeerError("shm: pair handshake failed")
+    return a, out[0]

@@ -1,0 +1,100 @@
+"""The transport interface (a reliable, ordered byte stream) and a token-bucket rate limit.
+
+A transport moves bytes only; framing, checksums and credits live above it. ``send`` gathers from
+several buffers (zero-copy iovecs where the transport allows), ``recv_into`` scatters into several
+caller buffers and returns only when every one is full. Every OS error and every timeout surfaces
+as :class:`~kvport.errors.PeerError` (the peer is gone, reset the connection, or stopped reading).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from kvport.errors import ConfigError
+
+Buffer = bytes | bytearray | memoryview
+
+
+@runtime_checkable
+class Transport(Protocol):
+    name: str
+
+    def send(self, parts: Sequence[Buffer]) -> None:
+        """Send every byte of ``parts`` in order, or raise PeerError."""
+
+    def recv_into(self, parts: Sequence[memoryview]) -> None:
+        """Fill every buffer of ``parts`` completely, in order, or raise PeerError."""
+
+    def readable(self, timeout: float) -> bool:
+        """True when at least one byte (or EOF) can be read without blocking, within ``timeout``."""
+
+    def close(self) -> None: ...
+
+
+def nbytes(parts: Sequence[Buffer]) -> int:
+    return sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
+
+
+def as_byte_views(parts: Sequence[Buffer]) -> list[memoryview]:
+    out: list[memoryview] = []
+    for p in parts:
+        mv = memoryview(p)
+        if mv.ndim != 1 or mv.itemsize != 1 or mv.format != "B":
+            mv = mv.cast("B")
+        if mv.nbytes:
+            out.append(mv)
+    return out
+
+
+class TokenBucket:
+    """``rate`` bytes/s with a ``burst``-byte bucket; ``take(n)`` sleeps until n bytes are allowed.
+
+    A take larger than the bucket is allowed and leaves a debt that later takes wait off, so the
+    long-run rate is exact for any message size.
+    """
+
+    def __init__(self, rate_bytes_per_s: float, burst_bytes: int = 1 << 20) -> None:
+        if rate_bytes_per_s <= 0 or burst_bytes <= 0:
+            raise ConfigError(f"rate limit needs rate > 0 and burst > 0, got {rate_bytes_per_s}, {burst_bytes}")
+        self.rate = float(rate_bytes_per_s)
+        self.burst = float(burst_bytes)
+        self._tokens = float(burst_bytes)
+        self._t = time.monotonic()
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> float:
+        """Consume n tokens, sleeping as needed; returns seconds slept."""
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._t) * self.rate)
+            self._t = now
+            self._tokens -= n
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+        if wait > 0:
+            time.sleep(wait)
+        return wait
+
+
+class RateLimited:
+    """Wraps a transport; its ``send`` never exceeds the bucket's rate (emulates a slow link)."""
+
+    def __init__(self, inner: Transport, bucket: TokenBucket) -> None:
+        self.inner = inner
+        self.bucket = bucket
+        self.name = f"{inner.name}@{bucket.rate / 1e6:.0f}MB/s"
+
+    def send(self, parts: Sequence[Buffer]) -> None:
+        self.bucket.take(nbytes(parts))
+        self.inner.send(parts)
+
+    def recv_into(self, parts: Sequence[memoryview]) -> None:
+        self.inner.recv_into(parts)
+
+    def readable(self, timeout: float) -> bool:
+        return self.inner.readable(timeout)
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,149 @@
+"""Bad input is a typed error, and a failed decode never writes outside its destination."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvport.codec import decode_block, encode_block, get_codec, peek_header
+from kvport.codec.frame import max_frame_size
+from kvport.errors import CodecError, CodecParamsError, CorruptPayloadError, UnknownCodecError
+from kvport.spec import DType, KVSpec
+from tests.codec.conftest import kv
+
+ALL = ["raw", "lossless", "int8", "kivi4", "mixed"]
+
+
+def _block(spec: KVSpec, seed: int = 0) -> np.ndarray:
+    k, v = kv(layers=spec.num_layers, heads=spec.num_kv_heads, tokens=spec.block_size, seed=seed)
+    return torch.stack((k, v), dim=1).contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def test_unknown_codec_and_bad_params() -> None:
+    with pytest.raises(UnknownCodecError):
+        get_codec("zfp")
+    with pytest.raises(CodecParamsError):
+        get_codec("int8", bits=4)
+    with pytest.raises(CodecParamsError):
+        get_codec("kivi4", group=3)
+    with pytest.raises(CodecParamsError):
+        get_codec("mixed", v_top=1.5)
+    with pytest.raises(CodecParamsError):
+        get_codec("lossless", level="max")
+
+
+def test_shapes_that_do_not_match_the_spec(spec: KVSpec) -> None:
+    k, v = kv(heads=2)
+    with pytest.raises(CodecParamsError):
+        get_codec("int8").encode(k, v, spec)
+    with pytest.raises(CodecParamsError):
+        get_codec("int8").encode(k.float(), v.float(), spec)  # fp32 tensors, bf16 spec
+    with pytest.raises(CodecParamsError):
+        get_codec("int8").encode(k, v[:, :, :5])
+    with pytest.raises(CodecParamsError):
+        get_codec("mixed", k_hi=40, k_lo=40).encode(*kv())  # more channel classes than head_dim
+
+
+@pytest.mark.parametrize("codec_id", ALL)
+def test_wrong_destination_is_refused_before_writing(codec_id: str) -> None:
+    k, v = kv()
+    c = get_codec(codec_id)
+    enc = c.encode(k, v)
+    with pytest.raises(CodecParamsError):
+        c.decode(enc, torch.empty_like(k)[:, :, :-1], torch.empty_like(v))
+    with pytest.raises(CodecParamsError):
+        c.decode(enc, torch.empty_like(k, dtype=torch.float32), torch.empty_like(v))
+
+
+@pytest.mark.parametrize("codec_id", ALL)
+def test_truncated_payload_is_corrupt(codec_id: str) -> None:
+    k, v = kv()
+    c = get_codec(codec_id)
+    enc = c.encode(k, v)
+    ko = torch.full_like(k, 3.0)
+    with pytest.raises(CorruptPayloadError):
+        c.decode(enc.payload[:-9], ko, torch.empty_like(v), shape=enc.shape)
+    assert (ko == 3.0).all()
+
+
+@pytest.mark.parametrize("codec_id", ALL)
+def test_frame_round_trip_and_guard_bytes(codec_id: str, spec: KVSpec) -> None:
+    src = _block(spec)
+    c = get_codec(codec_id)
+    out = bytearray(max_frame_size(c, spec))
+    frame = bytes(encode_block(c, spec, src, out=out))
+    info = peek_header(frame)
+    assert info.codec_id == codec_id and info.shape.tokens == spec.block_size
+    guard = 4096
+    arena = np.full(src.nbytes + 2 * guard, 0x5A, np.uint8)
+    info2 = decode_block(frame, spec, arena[guard:guard + src.nbytes])
+    assert info2.frame_len == len(frame)
+    assert (arena[:guard] == 0x5A).all() and (arena[guard + src.nbytes:] == 0x5A).all()
+    if c.lossless:
+        assert np.array_equal(arena[guard:guard + src.nbytes].view(np.uint16).reshape(src.shape), src)
+
+
+@pytest.mark.parametrize("codec_id", ALL)
+def test_corrupted_or_truncated_frames_are_typed_errors(codec_id: str, spec: KVSpec) -> None:
+    c = get_codec(codec_id)
+    frame = bytearray(encode_block(c, spec, _block(spec)))
+    dst = np.full(spec.bytes_per_block, 0x11, np.uint8)
+    bad = []
+    flipped = bytearray(frame)
+    flipped[-5] ^= 0x40
+    bad.append(flipped)
+    bad.append(frame[:-1])
+    bad.append(frame[:20])
+    bad.append(b"XXXX" + frame[4:])
+    for data in bad:
+        with pytest.raises(CorruptPayloadError):
+            decode_block(bytes(data), spec, dst)
+    assert (dst == 0x11).all()
+
+
+def test_frame_meta_naming_an_unknown_codec_or_bad_params(spec: KVSpec) -> None:
+    frame = bytes(encode_block(get_codec("kivi4"), spec, _block(spec)))
+    dst = np.zeros(spec.bytes_per_block, np.uint8)
+    with pytest.raises(UnknownCodecError):
+        decode_block(frame.replace(b"kivi4", b"kivi5", 1), spec, dst)
+    with pytest.raises(CodecParamsError):
+        decode_block(frame.replace(b"group", b"grouq", 1), spec, dst)
+    with pytest.raises(CodecParamsError):  # the caller expected another codec
+        decode_block(frame, spec, dst, codec=get_codec("kivi4", group=64))
+
+
+def test_frame_from_another_spec_or_wrong_destination(spec: KVSpec) -> None:
+    frame = bytes(encode_block(get_codec("int8"), spec, _block(spec)))
+    other = spec.with_(num_kv_heads=2)
+    with pytest.raises(CodecParamsError):
+        decode_block(frame, other, np.zeros(other.bytes_per_block, np.uint8))
+    with pytest.raises(CodecParamsError):
+        decode_block(frame, spec, np.zeros(spec.bytes_per_block - 2, np.uint8))
+    with pytest.raises(CodecParamsError):
+        decode_block(frame, spec, bytes(spec.bytes_per_block))  # read-only destination
+    with pytest.raises(CodecParamsError):
+        encode_block(get_codec("int8"), spec.with_(dtype=DType.FP8), bytes(spec.bytes_per_block // 2))
+
+
+def test_mixed_class_map_is_validated_before_decoding(spec: KVSpec) -> None:
+    k, v = kv(tokens=200)
+    c = get_codec("mixed")
+    enc = c.encode(k, v)
+    payload = enc.payload.copy()
+    counts = c._counts(enc.shape)  # type: ignore[attr-defined]
+    _, sec = c._sections(payload, enc.shape, counts)  # type: ignore[attr-defined]
+    sec["vcls"][0, :] = 1  # every token claims 8 bits: the slots would run past the 8-bit section
+    ko = torch.full_like(k, 9.0)
+    with pytest.raises(CorruptPayloadError):
+        c.decode(payload, ko, torch.empty_like(v), shape=enc.shape)
+    sec["vcls"][0, :] = 0
+    sec["kcls"][0, 0, 0] = 7
+    with pytest.raises(CorruptPayloadError):
+        c.decode(payload, ko, torch.empty_like(v), shape=enc.shape)
+    assert (ko == 9.0).all()
+
+
+def test_every_codec_error_is_a_codec_error() -> None:
+    for exc in (UnknownCodecError, CodecParamsError, CorruptPayloadError):
+        assert issubclass(exc, CodecError)

@@ -1,0 +1,168 @@
+"""Round trips: exact for raw and lossless, bounded error for the lossy codecs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from kvport.codec import KVShape, codec_from_dict, codec_ids, codec_key, codec_to_dict, get_codec
+from kvport.keys import KeyContext, chain_keys
+from kvport.spec import DType
+from tests.codec.conftest import kv
+
+
+def _roundtrip(codec_id: str, k: torch.Tensor, v: torch.Tensor, **params: object) -> tuple[torch.Tensor, ...]:
+    c = get_codec(codec_id, **params)
+    enc = c.encode(k, v)
+    ko, vo = torch.empty_like(k), torch.empty_like(v)
+    c.decode(enc, ko, vo)
+    return ko, vo, enc  # type: ignore[return-value]
+
+
+def test_registry_lists_all_codecs() -> None:
+    assert codec_ids() == ["int8", "kivi4", "lossless", "mixed", "raw"]
+
+
+@pytest.mark.parametrize("codec_id", ["raw", "lossless"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_lossless_codecs_are_exact(codec_id: str, dtype: torch.dtype) -> None:
+    k, v = kv(tokens=21, dtype=dtype)
+    ko, vo, _ = _roundtrip(codec_id, k, v)
+    assert torch.equal(ko.view(torch.uint8), k.view(torch.uint8))
+    assert torch.equal(vo.view(torch.uint8), v.view(torch.uint8))
+
+
+def test_lossless_compresses_bf16_exponents() -> None:
+    k, v = kv(tokens=256)
+    _, _, enc = _roundtrip("lossless", k, v)
+    assert 1.1 < enc.ratio < 2.0  # the exponent plane compresses, the mantissa plane barely
+
+
+def _row_range(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    return x.amax(dim=dims, keepdim=True) - x.amin(dim=dims, keepdim=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_int8_error_is_within_one_step_per_row(dtype: torch.dtype) -> None:
+    k, v = kv(dtype=dtype)
+    ko, vo, enc = _roundtrip("int8", k, v)
+    for x, y in ((k, ko), (v, vo)):
+        xf, yf = x.float(), y.float()
+        lo = xf.amin(-1, keepdim=True).clamp(max=0)
+        hi = xf.amax(-1, keepdim=True).clamp(min=0)
+        step = (hi - lo) / 255
+        # half a step of rounding plus up to half a step of integer zero-point shift
+        assert ((yf - xf).abs() <= step * 1.01 + xf.abs() * 2**-8 + 1e-6).all()
+    assert abs(enc.ratio - 128 / 67) < 0.01  # a row: D codes + fp16 scale + u8 zero point, vs 2D bytes
+
+
+def test_int8_bf16_output_is_the_fp32_output_rounded() -> None:
+    k, v = kv(dtype=torch.bfloat16)
+    c = get_codec("int8")
+    enc = c.encode(k, v)
+    kb, vb = torch.empty_like(k), torch.empty_like(v)
+    c.decode(enc, kb, vb)
+    # the int8 payload does not depend on the KV dtype: decode the same bytes as fp32
+    k32, v32 = torch.empty_like(k, dtype=torch.float32), torch.empty_like(v, dtype=torch.float32)
+    c.decode(enc.payload, k32, v32, shape=dataclasses.replace(enc.shape, dtype=DType.FP32))
+    assert torch.equal(kb, k32.bfloat16()) and torch.equal(vb, v32.bfloat16())
+
+
+def test_kivi4_errors_per_channel_group_and_per_row() -> None:
+    k, v = kv(tokens=70, dtype=torch.float32)
+    ko, vo, _ = _roundtrip("kivi4", k, v, group=32)
+    for g0 in range(0, 70, 32):
+        sl = slice(g0, min(70, g0 + 32))
+        step = _row_range(k[:, :, sl], (2,)) / 15
+        assert ((ko[:, :, sl] - k[:, :, sl]).abs() <= step * 0.5 * 1.01 + k[:, :, sl].abs() * 1e-3 + 1e-5).all()
+    step = _row_range(v, (3,)) / 15
+    assert ((vo - v).abs() <= step * 0.5 * 1.01 + v.abs() * 1e-3 + 1e-5).all()
+    long = get_codec("kivi4").encoded_size(KVShape(30, 3, 1024, 64, DType.BF16))
+    assert 30 * 3 * 1024 * 64 * 4 / long > 3.6
+
+
+def test_mixed_keeps_sinks_and_recent_at_8_bits_and_middle_bounded() -> None:
+    k, v = kv(tokens=300, dtype=torch.float32)
+    ko, vo, _ = _roundtrip("mixed", k, v, sinks=4, recent=16, group=32, target_ratio=None)
+    for x, y in ((k, ko), (v, vo)):
+        for sl in (slice(0, 4), slice(284, 300)):
+            lo = x[:, :, sl].amin(-1, keepdim=True).clamp(max=0)
+            hi = x[:, :, sl].amax(-1, keepdim=True).clamp(min=0)
+            # int8 rows: the integer zero point shifts the grid by up to half a step
+            assert ((y[:, :, sl] - x[:, :, sl]).abs() <= (hi - lo) / 255 * 1.01 + 1e-4).all()
+    mid = slice(4, 284)
+    for g0 in range(4, 284, 32):  # worst class is 2 bits: half of a third of the group range
+        sl = slice(g0, min(284, g0 + 32))
+        step = _row_range(k[:, :, sl], (2,)) / 3
+        assert ((ko[:, :, sl] - k[:, :, sl]).abs() <= step * 0.51 + k[:, :, sl].abs() * 1e-3 + 1e-4).all()
+    step = _row_range(v[:, :, mid], (3,)) / 15  # V rows are 4 or 8 bits (v_low = 0)
+    assert ((vo[:, :, mid] - v[:, :, mid]).abs() <= step * 0.51 + 1e-4).all()
+    # the widest-range K channels (the outliers 0..3) are among the 8-bit ones
+    kerr = (ko[:, :, mid] - k[:, :, mid]).abs().amax(dim=2)
+    assert (kerr[..., :4] <= _row_range(k[:, :, mid], (2,))[..., 0, :4] / 255).all()
+
+
+def test_mixed_target_ratio_is_met_and_importance_steers_v() -> None:
+    k, v = kv(layers=2, tokens=1024, dtype=torch.bfloat16)
+    c = get_codec("mixed", target_ratio=3.3)
+    enc = c.encode(k, v)
+    assert enc.ratio >= 3.3
+    assert c.encoded_size(enc.shape) == enc.nbytes
+    # importance names tokens 100..109 as the most important: their V is then stored at 8 bits
+    imp = torch.zeros(1024)
+    imp[100:110] = 1.0
+    c2 = get_codec("mixed", v_top=0.01, target_ratio=None)
+    enc2 = c2.encode(k, v, importance=imp)
+    ko, vo = torch.empty_like(k), torch.empty_like(v)
+    c2.decode(enc2, ko, vo)
+    rows = v[:, :, 100:110].float()
+    err = (vo[:, :, 100:110].float() - rows).abs()
+    rng = rows.amax(-1, keepdim=True).clamp(min=0) - rows.amin(-1, keepdim=True).clamp(max=0)
+    assert (err <= rng / 255 * 1.01 + rows.abs() * 2**-8 + 1e-4).all()
+
+
+@pytest.mark.parametrize("codec_id", ["int8", "kivi4", "mixed"])
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+def test_short_ranges_round_trip(codec_id: str, tokens: int) -> None:
+    k, v = kv(tokens=tokens, dtype=torch.float32)
+    ko, vo, _ = _roundtrip(codec_id, k, v)
+    assert torch.isfinite(ko).all() and torch.isfinite(vo).all()
+    assert (ko - k).abs().max() < 0.5 * (k.abs().max() + 1)
+
+
+def test_encode_into_caller_buffer_leaves_the_rest_untouched() -> None:
+    k, v = kv()
+    c = get_codec("kivi4")
+    cap = c.max_encoded_size(KVShape(*k.shape, DType.BF16))  # type: ignore[arg-type]
+    buf = np.full(cap + 64, 0xAB, np.uint8)
+    enc = c.encode(k, v, out=buf[:cap])
+    assert np.shares_memory(enc.payload, buf)
+    assert (buf[cap:] == 0xAB).all()
+
+
+def test_decode_writes_only_its_destination_view() -> None:
+    k, v = kv(tokens=20)
+    for codec_id in codec_ids():
+        c = get_codec(codec_id)
+        enc = c.encode(k, v)
+        big_k = torch.full((2, 3, 24, 64), 7.0, dtype=torch.bfloat16)
+        big_v = torch.full((2, 3, 24, 64), 7.0, dtype=torch.bfloat16)
+        c.decode(enc, big_k[:, :, 2:22], big_v[:, :, 2:22])
+        for big in (big_k, big_v):
+            assert (big[:, :, :2] == 7.0).all() and (big[:, :, 22:] == 7.0).all(), codec_id
+
+
+def test_codec_identity_travels_as_msgpack_and_in_keys() -> None:
+    ctx_keys = set()
+    for codec_id in codec_ids():
+        c = get_codec(codec_id)
+        d = msgpack.unpackb(msgpack.packb(codec_to_dict(c)), raw=False)
+        again = codec_from_dict(d)
+        assert (again.codec_id, again.params) == (c.codec_id, c.params)
+        ctx_keys.add(chain_keys(np.arange(16), KeyContext(block_size=16, codec_id=codec_key(c)))[0])
+    assert len(ctx_keys) == len(codec_ids())
+    assert codec_key(get_codec("kivi4", group=64)) != codec_key(get_codec("kivi4"))

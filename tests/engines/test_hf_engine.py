@@ -1,0 +1,188 @@
+"""Prefix reuse in transformers on the reference model: same greedy output, loads only what is safe."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvport.engines.hf import HFEngine, Lifetime, StoreBlocks, TierBlocks
+from kvport.errors import TierUnavailableError
+from kvport.spec import DType, from_hf_config
+from kvport.store import TieredStore
+from kvport.tiers import HostTier, Tier
+
+pytestmark = pytest.mark.slow
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def model(model_dir: Path) -> Iterator[object]:
+    from kvport.refmodel import load
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two intra-op threads collapse on a shared 2-core box
+    m, _ = load(model_dir)
+    yield m
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture()
+def tier(model_dir: Path) -> Iterator[HostTier]:
+    spec = from_hf_config(model_dir, dtype=DType.FP32)
+    t = HostTier(64 * spec.bytes_per_block, spec.bytes_per_block)
+    yield t
+    t.close()
+
+
+def _engine(model: object, model_dir: Path, tier: Tier | None, **spec_changes: object) -> HFEngine:
+    """An engine over a real TieredStore holding ``tier`` (None: generation without kvport)."""
+    spec = from_hf_config(model_dir, dtype=DType.FP32).with_(**spec_changes)
+    return HFEngine(model, spec, None if tier is None else StoreBlocks(TieredStore([tier]), spec))
+
+
+def _prompt(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(10, 49_000, n)
+
+
+def _hf_generate(model: object, prompt: np.ndarray) -> tuple[int, ...]:
+    ids = torch.from_numpy(prompt).unsqueeze(0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,  # type: ignore[attr-defined]
+                         min_new_tokens=NEW)
+    return tuple(out[0, len(prompt) :].tolist())
+
+
+def test_greedy_output_identical_with_and_without_kvport(model: object, model_dir: Path, tier: HostTier) -> None:
+    prompt = _prompt(100, 1)
+    reference = _hf_generate(model, prompt)  # plain transformers, no kvport anywhere
+    eng = _engine(model, model_dir, tier)
+    eng.eos = frozenset()
+    first = eng.generate(prompt, NEW)
+    assert first.tokens == reference and first.cached_tokens == 0 and first.computed_tokens == 100
+    assert first.stored_blocks == (100 + NEW - 1) // 16  # prompt and generated tokens, full blocks only
+    again = eng.generate(prompt, NEW)
+    assert again.tokens == reference
+    assert again.cached_tokens == 96 and again.computed_tokens == 4 and again.fallback is None
+    assert again.loaded_bytes == 6 * eng.spec.bytes_per_block
+    plain = _engine(model, model_dir, None)
+    plain.eos = frozenset()
+    assert plain.generate(prompt, NEW).tokens == reference
+
+
+def test_partial_prefix_reuse_and_next_turn_hits_the_answer(model: object, model_dir: Path, tier: HostTier) -> None:
+    eng, plain = _engine(model, model_dir, tier), _engine(model, model_dir, None)
+    system = _prompt(40, 2)
+    turn1 = np.concatenate([system, _prompt(30, 3)])
+    r1 = eng.generate(turn1, NEW, shared_prefix_tokens=len(system))
+    assert r1.cached_tokens == 0
+    other_user = np.concatenate([system, _prompt(25, 4)])
+    r2 = eng.generate(other_user, NEW, shared_prefix_tokens=len(system))
+    assert r2.cached_tokens == 32  # the system prompt's two full blocks, not the diverging third
+    assert r2.tokens == plain.generate(other_user, NEW).tokens
+    turn2 = np.concatenate([turn1, np.asarray(r1.tokens), _prompt(20, 5)])
+    r3 = eng.generate(turn2, NEW)
+    assert r3.cached_tokens == ((len(turn1) + len(r1.tokens) - 1) // 16) * 16  # turn 1 and its answer
+    assert r3.tokens == plain.generate(turn2, NEW).tokens
+
+
+class _Recorder:
+    def __init__(self, inner: StoreBlocks) -> None:
+        self.inner = inner
+        self.writes: list[tuple[int, Lifetime]] = []
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+        return self.inner.longest_prefix(keys)
+
+    def read_into(self, keys: Sequence[bytes], out: torch.Tensor) -> None:
+        self.inner.read_into(keys, out)
+
+    def write(self, keys: Sequence[bytes], blocks: torch.Tensor, lifetime: Lifetime,
+              parent: bytes | None = None) -> None:
+        self.writes.append((len(keys), lifetime))
+        self.inner.write(keys, blocks, lifetime, parent)
+
+
+def test_shared_system_prompt_blocks_are_stored_as_prefix(model: object, model_dir: Path, tier: HostTier) -> None:
+    eng = _engine(model, model_dir, tier)
+    assert isinstance(eng.store, StoreBlocks)
+    store = eng.store.store
+    rec = _Recorder(eng.store)
+    eng.store = rec
+    prompt = _prompt(70, 6)
+    eng.generate(prompt, 3, shared_prefix_tokens=40, lifetime=Lifetime.SESSION)
+    assert rec.writes == [(2, Lifetime.PREFIX), (2, Lifetime.SESSION)]  # 72 tokens in cache: 4 full blocks
+    keys = eng.keys(np.concatenate([prompt, [0, 0]]))
+    assert [store.lifetime_of(k) for k in keys] == [Lifetime.PREFIX] * 2 + [Lifetime.SESSION] * 2
+
+
+def test_incompatible_stored_prefix_is_never_loaded(model: object, model_dir: Path, tier: HostTier) -> None:
+    prompt = _prompt(80, 7)
+    other = _engine(model, model_dir, tier, revision="another-revision")
+    other.generate(prompt, 2)  # blocks of another revision now sit in the shared tier
+    assert len(list(tier.keys())) == 5
+    eng = _engine(model, model_dir, tier)
+    r = eng.generate(prompt, NEW)
+    assert r.cached_tokens == 0 and r.fallback is None  # different fingerprint -> different keys: a miss
+    # bytes of another layout planted under this model's own keys (a bare tier, no store index):
+    # refused when read, the request recomputes with the same output
+    raw = TierBlocks(tier, eng.spec)
+    for key in eng.keys(prompt)[:4]:
+        tier.put(key, b"\0" * (eng.spec.bytes_per_block // 2))
+    eng.store = raw
+    r2 = eng.generate(prompt, NEW)
+    assert r2.cached_tokens == 0 and r2.fallback is not None and "BufferMismatchError" in r2.fallback
+    assert r2.tokens == r.tokens == _engine(model, model_dir, None).generate(prompt, NEW).tokens
+
+
+class _FailingTier(Tier):
+    """Delegates to a real tier; ``get_into`` fails once ``reads_left`` reads were served (None: never)."""
+
+    def __init__(self, inner: HostTier, reads_left: int | None) -> None:
+        self.inner, self.reads_left = inner, reads_left
+        self.name, self.caps = "failing", inner.caps
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.inner.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.inner.used_bytes
+
+    def put(self, key: bytes, data: object, *, ttl_s: float | None = None) -> None:
+        self.inner.put(key, data, ttl_s=ttl_s)  # type: ignore[arg-type]
+
+    def get_into(self, key: bytes, dst: object) -> int:
+        if self.reads_left is not None:
+            if self.reads_left <= 0:
+                raise TierUnavailableError("injected: tier went away mid-load")
+            self.reads_left -= 1
+        return self.inner.get_into(key, dst)  # type: ignore[arg-type]
+
+    def size_of(self, key: bytes) -> int | None:
+        return self.inner.size_of(key)
+
+    def delete(self, key: bytes) -> bool:
+        return self.inner.delete(key)
+
+    def keys(self) -> Iterator[bytes]:
+        return self.inner.keys()
+
+
+def test_tier_failing_mid_load_recomputes_with_same_output(model: object, model_dir: Path, tier: HostTier) -> None:
+    prompt = _prompt(90, 8)
+    failing = _FailingTier(tier, reads_left=None)
+    eng = _engine(model, model_dir, failing)
+    good = eng.generate(prompt, NEW)
+    failing.reads_left = 2
+    r = eng.generate(prompt, NEW)
+    assert failing.reads_left == 0  # two blocks were read before the failure
+    assert r.cached_tokens == 0 and r.computed_tokens == 90 and r.fallback is not None
+    assert r.tokens == good.tokens
+    # the same fault straight from a bare tier names the tier's own error
+    eng.store = TierBlocks(_FailingTier(tier, reads_left=1), eng.spec)
+    r2 = eng.generate(prompt, NEW)
+    assert r2.fallback is not None and "TierUnavailableError" in r2.fallback and r2.tokens == good.tokens

@@ -1,0 +1,103 @@
+"""Scheduler-side planning of KVPortConnector: lookups, loads, saves (no vLLM, no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvport.engines.vllm.plan import BlockCopy, Planner, ScheduledRequest
+from kvport.errors import EngineError
+from kvport.keys import KeyContext, chain_keys
+from kvport.spec import DType, KVSpec, Layout
+
+B = 4
+SPEC = KVSpec("m", num_layers=2, num_kv_heads=1, head_dim=4, dtype=DType.FP32, block_size=B, layout=Layout.VLLM_CPU)
+CTX = KeyContext(block_size=B, spec_fingerprint=SPEC.fingerprint)
+
+
+def planner(stored: set[bytes]) -> Planner:
+    return Planner(CTX, stored.__contains__)
+
+
+def prompt(n: int, base: int = 10) -> list[int]:
+    return list(range(base, base + n))
+
+
+def test_lookup_counts_leading_stored_blocks_and_leaves_one_token_to_compute() -> None:
+    p = prompt(16)  # 4 full blocks
+    keys = chain_keys(p, CTX)
+    pl = planner(set(keys))
+    # all 4 blocks stored, but the last prompt token must be computed: 3 blocks = 12 tokens
+    assert pl.lookup("r", p, 0) == 12
+    assert pl.lookup("r", p, 8) == 4  # vLLM already holds 8 tokens locally
+    assert pl.lookup("r", p, 12) == 0
+    pl2 = planner({keys[0], keys[2]})  # a hole: only the leading run counts
+    assert pl2.lookup("r", p, 0) == 4
+
+
+def test_keys_of_another_spec_or_tenant_never_match() -> None:
+    p = prompt(12)
+    other = KeyContext(block_size=B, spec_fingerprint=SPEC.with_(revision="other").fingerprint)
+    pl = planner(set(chain_keys(p, other)))
+    assert pl.lookup("r", p, 0) == 0
+    pl = planner(set(chain_keys(p, CTX)))
+    assert pl.lookup("r", p, 0) == 8
+    assert pl.lookup("salted", p, 0, salt=b"tenant-a") == 0
+
+
+def test_accepted_hit_becomes_a_load_into_the_allocated_blocks_then_saves_the_rest() -> None:
+    p = prompt(14)  # 3 full blocks + 2 tokens
+    keys = chain_keys(p, CTX)
+    pl = planner({keys[0], keys[1]})
+    assert pl.lookup("r", p, 0) == 8
+    pl.after_alloc("r", 8)
+    plan = pl.step([ScheduledRequest("r", 8, 6, [7, 3, 9, 1], True)])
+    assert plan.loads == (BlockCopy("r", (keys[0], keys[1]), (7, 3)),)
+    # block 2 is computed this step and is a full prompt block; block 3 is partial: not saved
+    assert plan.saves == (BlockCopy("r", (keys[2],), (9,)),)
+    # decode steps save nothing more (generated tokens are not keyed)
+    plan = pl.step([ScheduledRequest("r", 14, 1, [5], False)])
+    assert plan.loads == () and plan.saves == ()
+
+
+def test_chunked_prefill_saves_each_block_once_as_it_completes() -> None:
+    p = prompt(20)
+    keys = chain_keys(p, CTX)
+    pl = planner(set())
+    assert pl.lookup("r", p, 0) == 0
+    pl.after_alloc("r", 0)
+    a = pl.step([ScheduledRequest("r", 0, 6, [0, 1], True)])  # tokens 0..5: block 0 complete
+    b = pl.step([ScheduledRequest("r", 6, 6, [2], False)])  # tokens 6..11: blocks 1, 2
+    c = pl.step([ScheduledRequest("r", 12, 8, [3, 4], False)])  # 12..19: blocks 3, 4
+    assert [s.block_ids for s in a.saves] == [(0,)]
+    assert [s.block_ids for s in b.saves] == [(1, 2)]
+    assert [s.block_ids for s in c.saves] == [(3, 4)]
+    assert [k for plan in (a, b, c) for s in plan.saves for k in s.keys] == keys
+
+
+def test_local_cache_hit_blocks_are_saved_when_the_store_lacks_them() -> None:
+    p = prompt(12)
+    keys = chain_keys(p, CTX)
+    pl = planner(set())
+    assert pl.lookup("r", p, 8) == 0  # vLLM's own cache holds 8 tokens, kvport none
+    plan = pl.step([ScheduledRequest("r", 8, 4, [4, 5, 6], True)])
+    assert plan.saves == (BlockCopy("r", tuple(keys), (4, 5, 6)),)
+
+
+def test_preempted_request_replaces_its_block_table() -> None:
+    p = prompt(8)
+    pl = planner(set())
+    pl.lookup("r", p, 0)
+    pl.step([ScheduledRequest("r", 0, 4, [1], True)])
+    plan = pl.step([ScheduledRequest("r", 0, 8, [6, 2], True)])  # resumed: new table, block 1 saved before
+    assert plan.saves == (BlockCopy("r", (chain_keys(p, CTX)[1],), (2,)),)
+
+
+def test_finish_drops_state_and_a_load_beyond_the_lookup_is_refused() -> None:
+    p = prompt(12)
+    pl = planner(set(chain_keys(p, CTX)))
+    assert pl.lookup("r", p, 0) == 8
+    with pytest.raises(EngineError):
+        pl.after_alloc("r", 12)
+    pl.finish("r")
+    assert len(pl) == 0
+    assert pl.step([ScheduledRequest("r", 0, 12, [1, 2, 3], True)]).saves == ()

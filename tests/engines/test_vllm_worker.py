@@ -1,0 +1,150 @@
+"""KVPortConnector's data path against a real DiskTier: paged KV -> disk -> another engine's paged KV."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvport.engines.vllm.config import ConnectorConfig
+from kvport.engines.vllm.identity import check_expected, engine_spec
+from kvport.engines.vllm.paged import PagedKV
+from kvport.engines.vllm.plan import BlockCopy
+from kvport.engines.vllm.worker import BlockMover
+from kvport.errors import ConfigError, EngineError, IncompatibleSpecError
+from kvport.keys import KeyContext, chain_keys
+from kvport.spec import DType, KVSpec, Layout
+from kvport.tiers.disk import DiskTier
+
+SPEC = KVSpec("m", num_layers=3, num_kv_heads=2, head_dim=8, dtype=DType.FP32, block_size=4, layout=Layout.VLLM_CPU)
+CTX = KeyContext(block_size=4, spec_fingerprint=SPEC.fingerprint)
+
+
+def engine_kv(num_blocks: int, seed: int | None) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed or 0)
+    make = (lambda: torch.randn(num_blocks, 2, 4, 16, generator=g)) if seed is not None else (
+        lambda: torch.zeros(num_blocks, 2, 4, 16))
+    # registered in a scrambled order: layer order comes from the names
+    return {f"model.layers.{i}.self_attn.attn": make() for i in (2, 0, 1)}
+
+
+def mover(tmp_path: Path, kv: dict[str, torch.Tensor], staging: int = 8) -> BlockMover:
+    return BlockMover(SPEC, DiskTier(tmp_path / "disk", 1 << 30), PagedKV(kv, SPEC), staging)
+
+
+def layer(kv: dict[str, torch.Tensor], i: int) -> torch.Tensor:
+    return kv[f"model.layers.{i}.self_attn.attn"]
+
+
+def saved_prefix(tmp_path: Path, n_blocks: int) -> tuple[dict[str, torch.Tensor], list[bytes], list[int]]:
+    src = engine_kv(16, seed=1)
+    keys = chain_keys(list(range(n_blocks * 4)), CTX)
+    src_ids = [9, 2, 14, 5, 11, 0][:n_blocks]
+    m = mover(tmp_path, src)
+    m.save([BlockCopy("a", tuple(keys), tuple(src_ids))])
+    assert m.stats.blocks_saved == n_blocks
+    return src, keys, src_ids
+
+
+@pytest.mark.parametrize("staging", [8, 2])  # layer-by-layer, and eager waves when staging is small
+def test_blocks_saved_by_one_engine_load_into_other_block_ids_of_another(tmp_path: Path, staging: int) -> None:
+    src, keys, src_ids = saved_prefix(tmp_path, 5)
+    dst = engine_kv(12, seed=None)
+    m = mover(tmp_path, dst, staging)  # a fresh tier instance: index rebuilt from the folder
+    dst_ids = [3, 7, 1, 10, 4]
+    m.begin_load([BlockCopy("b", tuple(keys), tuple(dst_ids))])
+    for i in range(SPEC.num_layers):  # the engine asks layer by layer
+        m.load_layer(i)
+    m.finish_load()
+    for i in range(SPEC.num_layers):
+        assert torch.equal(layer(dst, i)[dst_ids], layer(src, i)[src_ids])
+        untouched = [b for b in range(12) if b not in dst_ids]
+        assert not layer(dst, i)[untouched].any()
+    assert m.take_failed() == set() and m.stats.blocks_loaded == 5
+
+
+def test_a_layer_the_engine_never_waited_for_is_still_loaded_before_the_step_ends(tmp_path: Path) -> None:
+    src, keys, src_ids = saved_prefix(tmp_path, 2)
+    dst = engine_kv(4, seed=None)
+    m = mover(tmp_path, dst)
+    m.begin_load([BlockCopy("b", tuple(keys), (0, 1))])
+    m.load_layer(1)
+    m.finish_load()
+    for i in range(SPEC.num_layers):
+        assert torch.equal(layer(dst, i)[[0, 1]], layer(src, i)[src_ids])
+
+
+def test_a_corrupt_block_fails_the_rest_of_that_load_and_is_reported(tmp_path: Path) -> None:
+    src, keys, src_ids = saved_prefix(tmp_path, 4)
+    path, offset, length = DiskTier(tmp_path / "disk", 1 << 30).locate(keys[2])
+    raw = bytearray(path.read_bytes())
+    raw[offset + length // 2] ^= 0xFF  # flip one payload byte: the size is intact, the checksum is not
+    path.write_bytes(bytes(raw))
+    dst = engine_kv(8, seed=None)
+    m = mover(tmp_path, dst)
+    m.begin_load([BlockCopy("b", tuple(keys), (4, 5, 6, 7))])
+    m.finish_load()
+    # blocks 0 and 1 loaded; from the corrupt block on, vLLM must recompute
+    assert m.take_failed() == {6, 7}
+    assert m.take_failed() == set()  # reported once
+    for i in range(SPEC.num_layers):
+        assert torch.equal(layer(dst, i)[[4, 5]], layer(src, i)[src_ids[:2]])
+        assert not layer(dst, i)[[6, 7]].any()  # never wrong data
+    assert m.stats.blocks_failed == 2
+    assert not m.tier.contains(keys[2])  # the tier dropped it: next lookup is a clean miss
+
+
+def test_a_block_of_the_wrong_size_is_refused(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path / "disk", 1 << 30)
+    key = chain_keys([1, 2, 3, 4], CTX)[0]
+    tier.put(key, b"\x00" * (SPEC.bytes_per_block - 4))
+    dst = engine_kv(2, seed=None)
+    m = BlockMover(SPEC, tier, PagedKV(dst, SPEC), 2)
+    m.begin_load([BlockCopy("b", (key,), (1,))])
+    assert m.take_failed() == {1}
+
+
+def test_paged_kv_refuses_a_layout_it_does_not_know() -> None:
+    gpu_like = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, 6, 4, 2, 8) for i in range(3)}
+    with pytest.raises(EngineError, match="CPU layout"):
+        PagedKV(gpu_like, SPEC)
+    with pytest.raises(EngineError, match="layers"):
+        PagedKV({"model.layers.0.self_attn.attn": torch.zeros(2, 2, 4, 16)}, SPEC)
+    bf16 = {k: v.to(torch.bfloat16) for k, v in engine_kv(2, seed=None).items()}
+    with pytest.raises(EngineError, match="bfloat16"):
+        PagedKV(bf16, SPEC)
+
+
+def test_config_from_extra_config() -> None:
+    cfg = ConnectorConfig.from_extra_config({"kvport_disk_dir": "/x", "kvport_disk_capacity": "2 GiB",
+                                             "kvport_tenant_salt": "ab01", "other_connector_key": 1})
+    assert cfg.disk_capacity_bytes == 2 * 1024**3 and cfg.tenant_salt == b"\xab\x01"
+    for bad in ({}, {"kvport_disk_dir": "/x", "kvport_disk_dir_typo": 1},
+                {"kvport_disk_dir": "/x", "kvport_disk_capacity": "lots"},
+                {"kvport_disk_dir": "/x", "kvport_staging_tokens": 0},
+                {"kvport_disk_dir": "/x", "kvport_tenant_salt": "xyz"}):
+        with pytest.raises(ConfigError):
+            ConnectorConfig.from_extra_config(bad)
+
+
+def test_engine_spec_names_config_weights_and_revision(tmp_path: Path) -> None:
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "a" / "model.safetensors").write_bytes(b"weights-1" * 100)
+    (tmp_path / "b" / "model.safetensors").write_bytes(b"weights-2" * 100)
+    a = engine_spec(str(tmp_path / "a"), dtype="torch.float32", block_size=32)
+    b = engine_spec(str(tmp_path / "b"), dtype="torch.float32", block_size=32)
+    a2 = engine_spec(str(tmp_path / "a"), dtype="torch.float32", block_size=32, revision="v2")
+    assert a.layout is Layout.VLLM_CPU and a.dtype is DType.FP32 and a.head_dim == 16
+    assert len({a.fingerprint, b.fingerprint, a2.fingerprint}) == 3  # fine-tune, operator revision
+    assert engine_spec(str(tmp_path / "a"), dtype="float32", block_size=32).fingerprint == a.fingerprint
+    check_expected(a, a)
+    with pytest.raises(IncompatibleSpecError) as err:
+        check_expected(a, a.with_(block_size=16))
+    assert err.value.field == "block_size"
+    with pytest.raises(EngineError):
+        engine_spec("HuggingFaceTB/SmolLM2-135M-Instruct", dtype="float32", block_size=32)

@@ -1,0 +1,82 @@
+"""Tenant salting, challenge-response, the manifest's torn tail, the staging pool, limits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvport.errors import ConfigError
+from kvport.server import auth
+from kvport.server.manifest import DiskRecord, Manifest, read_records
+from kvport.server.staging import StagingPool, size_class
+from kvport.server.tenants import Tenant, TenantTable, load_or_create_secret, load_tenants
+
+MiB = 1 << 20
+
+
+def table() -> TenantTable:
+    return TenantTable([Tenant("a", b"token-of-a"), Tenant("b", b"token-of-b"), Tenant("open")], b"s" * 32)
+
+
+def test_same_client_key_is_two_storage_keys_for_two_tenants() -> None:
+    t = table()
+    key = bytes(16)
+    assert t.storage_key("a", key) != t.storage_key("b", key)
+    assert t.storage_key("a", key) == table().storage_key("a", key)  # stable for a given secret
+    other = TenantTable([Tenant("a")], b"x" * 32)
+    assert other.storage_key("a", key) != t.storage_key("a", key)
+
+
+def test_mac_proves_the_token_without_sending_it() -> None:
+    t = table()
+    nonce = auth.new_nonce()
+    mac = auth.compute_mac(b"token-of-a", nonce, "a")
+    assert b"token-of-a" not in mac and len(mac) == auth.MAC_BYTES
+    assert auth.verify(t, "a", nonce, mac) is not None
+    assert auth.verify(t, "a", auth.new_nonce(), mac) is None  # replay on another connection
+    assert auth.verify(t, "b", nonce, mac) is None
+    assert auth.verify(t, "a", nonce, b"") is None
+    assert auth.verify(t, "nobody", nonce, mac) is None
+    assert auth.verify(t, "open", nonce, b"") is not None
+    assert not auth.is_loopback("0.0.0.0") and auth.is_loopback("127.0.0.1") and auth.is_loopback("::1")
+
+
+def test_tenants_file_and_secret(tmp_path: Path) -> None:
+    f = tmp_path / "t.json"
+    f.write_text('{"tenants": [{"name": "a", "token": "12345678", "quota": "2MiB", "admin": true}]}')
+    (a,) = load_tenants(f)
+    assert a.quota_bytes == 2 * MiB and a.admin and a.token == b"12345678"
+    f.write_text('{"tenants": [{"name": "a", "token": "short"}]}')
+    with pytest.raises(ConfigError):
+        load_tenants(f)
+    s1 = load_or_create_secret(tmp_path)
+    assert load_or_create_secret(tmp_path) == s1 and (tmp_path / "server.secret").stat().st_mode & 0o077 == 0
+
+
+def test_manifest_replays_and_stops_at_a_torn_tail(tmp_path: Path) -> None:
+    m = Manifest(tmp_path)
+    m.rewrite([DiskRecord(b"1" * 16, "a", b"c" * 16, 10)])
+    m.add(DiskRecord(b"2" * 16, "b", b"d" * 16, 20))
+    m.remove(b"1" * 16)
+    m.add(DiskRecord(b"3" * 16, "b", b"e" * 16, 30))
+    m.close()
+    data = m.path.read_bytes()
+    m.path.write_bytes(data[:-3])  # the last record is torn
+    assert set(read_records(m.path)) == {b"2" * 16}
+
+
+def test_staging_pool_reuses_and_never_exceeds_its_limit() -> None:
+    pool = StagingPool(8 * MiB)
+    assert size_class(1) == MiB and size_class(3 * MiB) == 4 * MiB
+    a = pool.try_take(3 * MiB)
+    b = pool.try_take(4 * MiB)
+    assert a is not None and b is not None and pool.try_take(MiB) is None
+    buf = a.buf
+    pool.give(a)
+    c = pool.try_take(4 * MiB - 1)
+    assert c is not None and c.buf is buf and c.view().nbytes == 4 * MiB - 1
+    pool.give(b)
+    pool.give(c)
+    d = pool.try_take(8 * MiB)  # frees the two 4 MiB buffers first
+    assert d is not None and pool.allocated == 8 * MiB == pool.peak_allocated

@@ -1,0 +1,179 @@
+"""Against a real server process: auth, malformed and oversized frames, slow-loris, tenant isolation."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from kvport.cli.main import main
+from kvport.errors import AuthError, TierUnavailableError
+from kvport.server.auth import compute_mac
+from kvport.transfer.wire import HEADER_BYTES, MsgType, decode_frame, decode_header, encode_frame, frame_bytes
+
+from .conftest import TOKENS, MiB, base_args
+
+
+def recv_frame(s: socket.socket) -> tuple[MsgType, dict]:  # type: ignore[type-arg]
+    head = _recv_exact(s, HEADER_BYTES)
+    hdr = decode_header(head)
+    rest = _recv_exact(s, hdr.meta_len + hdr.wire_payload_bytes)
+    f = decode_frame(head + rest)
+    return f.msg_type, f.meta
+
+
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        part = s.recv(n - len(buf))
+        if not part:
+            raise ConnectionError("closed")
+        buf += part
+    return buf
+
+
+def closed_within(s: socket.socket, seconds: float) -> bool:
+    """True when the server closes the connection (EOF or reset) within ``seconds``."""
+    s.settimeout(seconds)
+    try:
+        while s.recv(65536):
+            pass
+        return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def authed_socket(port: int, tenant: str = "default", token: bytes | None = None) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    mt, meta = recv_frame(s)
+    assert mt is MsgType.AUTH_CHALLENGE
+    s.sendall(frame_bytes(encode_frame(MsgType.AUTH_RESPONSE,
+                                       {"tenant": tenant, "mac": compute_mac(token, meta["nonce"], tenant)})))
+    mt, _ = recv_frame(s)
+    assert mt is MsgType.AUTH_OK
+    return s
+
+
+def test_missing_or_wrong_token_is_refused(tenant_server) -> None:  # type: ignore[no-untyped-def]
+    srv = tenant_server
+    for tenant, token in (("alice", None), ("alice", TOKENS["bob"]), ("mallory", TOKENS["alice"]),
+                          ("bob", "wrong-token-here")):
+        with pytest.raises(AuthError):
+            srv.client(tenant, token, retries=0)
+    ok = srv.client("alice", TOKENS["alice"])
+    ok.ping()
+    ok.close()
+    # a raw client skipping the handshake gets an error and a closed connection, nothing else
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+    recv_frame(s)
+    s.sendall(frame_bytes(encode_frame(MsgType.GET, {"key": bytes(16)})))
+    mt, meta = recv_frame(s)
+    assert mt is MsgType.ERROR and meta["error"] == "ProtocolError"
+    assert closed_within(s, 15)
+
+
+def test_beyond_loopback_refuses_to_start_with_a_tokenless_tenant(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["serve", "--listen", "0.0.0.0:0", "--capacity", "384MiB"]) == 2
+    assert "requires a token for every tenant" in capsys.readouterr().err
+
+
+def test_oversized_and_malformed_frames_refused_before_allocation(shared_server) -> None:  # type: ignore[no-untyped-def]
+    rss0 = psutil.Process(shared_server.pid).memory_info().rss
+    # before auth: 1 KiB metadata cap
+    s = socket.create_connection(("127.0.0.1", shared_server.port), timeout=5)
+    recv_frame(s)
+    head = encode_frame(MsgType.AUTH_RESPONSE, {"tenant": "x" * 5000})[0]
+    s.sendall(head[:HEADER_BYTES])
+    mt, meta = recv_frame(s)
+    assert mt is MsgType.ERROR and "oversized" in meta["message"]
+    assert closed_within(s, 15)
+    # after auth: a PUT announcing 2 GiB, a bad magic, garbage metadata
+    s = authed_socket(shared_server.port)
+    big = bytearray(encode_frame(MsgType.PUT, {"key": bytes(16)}, [b"x"])[0])
+    struct.pack_into("<IQ", big, 12, MiB, 2 << 30)  # chunk_size, payload_len
+    s.sendall(bytes(big[:HEADER_BYTES]))
+    mt, meta = recv_frame(s)
+    assert mt is MsgType.ERROR and "oversized payload" in meta["message"]
+    assert closed_within(s, 15)
+    s = authed_socket(shared_server.port)
+    s.sendall(b"HTTP" + bytes(HEADER_BYTES - 4))
+    mt, meta = recv_frame(s)
+    assert mt is MsgType.ERROR and "bad magic" in meta["message"]
+    s = authed_socket(shared_server.port)
+    garbage = bytearray(frame_bytes(encode_frame(MsgType.PUT, {"key": bytes(16)})))
+    garbage[HEADER_BYTES:] = b"\xc1" * (len(garbage) - HEADER_BYTES)  # keep length, break the meta checksum
+    s.sendall(bytes(garbage))
+    mt, meta = recv_frame(s)
+    assert mt is MsgType.ERROR and meta["error"] in ("ChecksumError", "ProtocolError")
+    # a well-formed request with a wrong field is answered, and the connection stays usable
+    s = authed_socket(shared_server.port)
+    s.sendall(frame_bytes(encode_frame(MsgType.GET, {"key": b"short"}, corr_id=9)))
+    mt, meta = recv_frame(s)
+    assert mt is MsgType.GET and meta["error"] == "ProtocolError"
+    s.sendall(frame_bytes(encode_frame(MsgType.PING, {}, corr_id=10)))
+    assert recv_frame(s)[0] is MsgType.PING
+    s.close()
+    assert psutil.Process(shared_server.pid).memory_info().rss - rss0 < 32 * MiB
+
+
+def test_slow_loris_and_idle_connections_time_out(server_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = server_factory(*base_args("384MiB", "--frame-timeout", "1", "--idle-timeout", "2"))
+    pooled = srv.client(retries=0)
+    pooled.put(b"p" * 16, b"pinned later")
+    loris = authed_socket(srv.port)
+    frame = frame_bytes(encode_frame(MsgType.PING, {}))
+    loris.sendall(frame[:5])  # starts a frame, then trickles
+    dripping = True
+    for b in frame[5:12]:
+        try:
+            loris.sendall(bytes([b]))
+        except OSError:
+            break
+        time.sleep(0.3)
+    else:
+        dripping = False
+    assert dripping or closed_within(loris, 15)  # a deadline, not a timing: it returns at the close
+    idle = authed_socket(srv.port)
+    assert closed_within(idle, 15)
+    fresh = srv.client()
+    fresh.ping()  # the server is fine
+    fresh.close()
+    # the pooled connection was closed by the idle timeout: the pool notices before sending, so
+    # even a request that is never resent (PIN) goes out on a fresh connection
+    assert pooled.pin([b"p" * 16]) == 1
+    pooled.close()
+
+
+def test_a_tenant_probing_another_tenants_prefix_gets_misses(tenant_server) -> None:  # type: ignore[no-untyped-def]
+    srv = tenant_server
+    alice = srv.client("alice", TOKENS["alice"])
+    bob = srv.client("bob", TOKENS["bob"])
+    keys = [bytes([i]) * 16 for i in range(4)]
+    value = np.arange(3 * MiB, dtype=np.uint8)
+    for k in keys:
+        alice.put(k, value)
+    assert alice.lookup(keys).hits == 4
+    assert bob.lookup(keys).hits == 0
+    assert bob.contains_many(keys) == [False] * 4
+    assert bob.size_of(keys[0]) is None
+    assert list(bob.keys()) == []
+    assert bob.delete_many(keys) == 0
+    assert bob.pin(keys) == 0
+    bob.put(keys[0], np.zeros(MiB, dtype=np.uint8))  # same client key, bob's own block
+    assert bob.lookup(keys).hits == 1
+    out = bytearray(4 * MiB)
+    n = alice.get_into(keys[0], out)
+    assert bytes(out[:n]) == value.tobytes()
+    assert bob.get_into(keys[0], out) == MiB and not any(out[:MiB])
+    assert [t["name"] for t in bob.stats()["tenants"]] == ["bob"]  # non-admin sees itself only
+    assert {t["name"] for t in alice.stats()["tenants"]} == {"alice", "bob", "small", "big"}  # admin
+    alice.close()
+    bob.close()
+    with pytest.raises((AuthError, TierUnavailableError)):
+        srv.client("bob", TOKENS["alice"], retries=0)

@@ -1,0 +1,118 @@
+import errno
+import itertools
+import os
+
+import numpy as np
+import pytest
+
+from kvport.errors import BlockNotFoundError, CorruptBlockError, TierFullError
+from kvport.tiers import DiskTier
+
+K1, K2 = b"1" * 16, b"2" * 16
+
+
+def test_restart_keeps_blocks(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    data = np.random.default_rng(1).integers(0, 256, 100_000, dtype=np.uint8)
+    t = DiskTier(tmp_path, 1 << 20)
+    t.put(K1, data)
+    t.put(K2, b"small")
+    t.close()
+    t2 = DiskTier(tmp_path, 1 << 20)
+    assert sorted(t2.keys()) == [K1, K2]
+    assert t2.used_bytes == 100_005
+    out = bytearray(100_000)
+    assert t2.get_into(K1, out) == 100_000
+    assert bytes(out) == data.tobytes()
+
+
+def test_flipped_byte_is_corrupt_then_a_clean_miss(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    t = DiskTier(tmp_path, 1 << 20)
+    t.put(K1, b"a" * 1000)
+    p, off, _ = t.locate(K1)
+    raw = bytearray(p.read_bytes())
+    raw[off + 500] ^= 0xFF
+    p.write_bytes(raw)
+    out = bytearray(1000)
+    with pytest.raises(CorruptBlockError):
+        t.get_into(K1, out)
+    assert not t.contains(K1)
+    with pytest.raises(BlockNotFoundError):
+        t.get_into(K1, out)
+
+
+def test_truncated_file_is_corrupt_or_dropped_on_restart(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    t = DiskTier(tmp_path, 1 << 20)
+    t.put(K1, b"a" * 1000)
+    t.put(K2, b"b" * 1000)
+    for k in (K1, K2):
+        p, off, n = t.locate(k)
+        with open(p, "r+b") as f:
+            f.truncate(off + n - 1)
+    with pytest.raises(CorruptBlockError):
+        t.get_into(K1, bytearray(1000))
+    t2 = DiskTier(tmp_path, 1 << 20)  # restart: the truncated K2 is not adopted
+    assert list(t2.keys()) == []
+
+
+def test_enospc_is_tier_full_with_nothing_partial(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    t = DiskTier(tmp_path, 1 << 20)
+    t.put(K1, b"old value")
+    real = os.pwrite
+
+    def full_disk(fd: int, data: object, offset: int) -> int:
+        real(fd, b"partial", offset)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full_disk)  # a real full disk cannot be produced on demand
+    with pytest.raises(TierFullError):
+        t.put(K1, b"new value")
+    with pytest.raises(TierFullError):
+        t.put(K2, b"other")
+    monkeypatch.undo()
+    assert t.get(K1) == b"old value"
+    assert not t.contains(K2)
+    assert sorted(tmp_path.glob("*.kvs")) == [t.path_of(K1)]  # no partial slab became visible
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_capacity_is_enforced(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    t = DiskTier(tmp_path, 100)
+    t.put(K1, b"x" * 60)
+    with pytest.raises(TierFullError):
+        t.put(K2, b"y" * 60)
+    t.put(K1, b"z" * 100)  # a replacement counts the old value as freed
+    assert t.used_bytes == 100
+
+
+def test_batch_is_one_slab_and_deleted_blocks_stay_deleted_after_restart(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    t = DiskTier(tmp_path, 1 << 20)
+    keys = [bytes([i]) * 16 for i in range(5)]
+    t.put_many([(k, bytes([i]) * (100 + i)) for i, k in enumerate(keys)])
+    assert t.slab_count == 1
+    paths = {t.locate(k)[0] for k in keys}
+    assert len(paths) == 1
+    offs = sorted(t.locate(k)[1] for k in keys)
+    assert all(b - a == 100 + i for i, (a, b) in enumerate(itertools.pairwise(offs)))  # back to back
+    outs = [bytearray(200) for _ in keys]
+    got = t.get_many_into(list(zip([*keys, b"z" * 16], [*outs, bytearray(1)], strict=True)))
+    assert got == [100, 101, 102, 103, 104, None]
+    assert all(bytes(o[: 100 + i]) == bytes([i]) * (100 + i) for i, o in enumerate(outs))
+    assert t.delete(keys[1]) and t.delete(keys[3])
+    t2 = DiskTier(tmp_path, 1 << 20)
+    assert sorted(t2.keys()) == sorted([keys[0], keys[2], keys[4]])
+    assert t2.used_bytes == 100 + 102 + 104
+    for k in (keys[0], keys[2], keys[4]):
+        t2.delete(k)
+    assert t2.slab_count == 0 and list(tmp_path.glob("*.kvs")) == []
+
+
+def test_checksum_covers_the_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    t = DiskTier(tmp_path, 1 << 20)
+    t.put_many([(K1, b"same"), (K2, b"same")])
+    p, _, _ = t.locate(K1)
+    raw = bytearray(p.read_bytes())
+    raw[16 : 16 + 16] = K2  # the first entry now claims to hold K2 ...
+    raw[16 + 48 : 16 + 64] = K1  # ... and the second K1: same bytes, swapped keys
+    p.write_bytes(raw)
+    t2 = DiskTier(tmp_path, 1 << 20)
+    assert t2.get_many_into([(K1, bytearray(4)), (K2, bytearray(4))]) == [None, None]

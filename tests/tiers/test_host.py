@@ -1,0 +1,82 @@
+import numpy as np
+import pytest
+
+from kvport.errors import BlockNotFoundError, BufferMismatchError, TierError, TierFullError
+from kvport.tiers import HostTier
+
+K1, K2, K3 = b"1" * 16, b"2" * 16, b"3" * 16
+
+
+def test_put_get_round_trip_records_length() -> None:
+    t = HostTier(4 * 64, 64)
+    t.put(K1, b"abc")
+    t.put(K2, np.arange(64, dtype=np.uint8))
+    assert t.size_of(K1) == 3
+    dst = bytearray(64)
+    assert t.get_into(K1, dst) == 3
+    assert dst[:3] == b"abc"
+    assert t.get(K2) == bytes(range(64))
+    assert t.used_bytes == 2 * 64
+    assert sorted(t.keys()) == [K1, K2]
+
+
+def test_missing_key_and_bad_buffers_raise_before_writing() -> None:
+    t = HostTier(2 * 16, 16)
+    with pytest.raises(BlockNotFoundError):
+        t.get_into(K1, bytearray(16))
+    t.put(K1, b"x" * 10)
+    dst = bytearray(b"?" * 9)
+    with pytest.raises(BufferMismatchError):
+        t.get_into(K1, dst)
+    assert dst == b"?" * 9
+    with pytest.raises(BufferMismatchError):
+        t.get_into(K1, b"read-only buffer")
+    with pytest.raises(BufferMismatchError):
+        t.put(K2, b"y" * 17)  # larger than a page
+    with pytest.raises(BufferMismatchError):
+        t.put(K2, np.zeros((4, 4), dtype=np.uint8)[:, ::2])  # not contiguous
+
+
+def test_pool_full_and_replace_reuses_pages() -> None:
+    t = HostTier(2 * 8, 8)
+    t.put(K1, b"a")
+    t.put(K2, b"b")
+    with pytest.raises(TierFullError):
+        t.put(K3, b"c")
+    assert t.delete(K2)
+    t.put(K3, b"c")
+    assert t.free_pages == 0
+    with pytest.raises(TierFullError):
+        t.put(K1, b"A")  # replacing still needs a free page first; the old value stays
+    assert t.get(K1) == b"a"
+
+
+def test_reserve_is_invisible_until_commit_and_abort_frees() -> None:
+    t = HostTier(2 * 8, 8)
+    mv = t.reserve(K1, 5)
+    mv[:] = b"hello"
+    assert not t.contains(K1)
+    assert list(t.keys()) == []
+    with pytest.raises(BlockNotFoundError):
+        t.view(K1)
+    t.commit(K1)
+    assert bytes(t.view(K1)) == b"hello"
+    assert t.view(K1).readonly
+    t.reserve(K2, 8)
+    assert t.free_pages == 0
+    t.abort(K2)
+    assert t.free_pages == 1 and not t.contains(K2)
+    with pytest.raises(TierError):
+        t.commit(K2)
+    with pytest.raises(BufferMismatchError):
+        t.reserve(K3, 9)
+
+
+def test_view_is_zero_copy_into_the_pool() -> None:
+    t = HostTier(8, 8)
+    mv = t.reserve(K1, 4)
+    mv[:] = b"abcd"
+    t.commit(K1)
+    v = t.view(K1)
+    mv[0:1] = b"z"  # the receiver's view and the reader's view share memory
+    assert bytes(v) == b"zbcd"

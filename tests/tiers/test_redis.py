@@ -1,0 +1,76 @@
+import time
+
+import numpy as np
+import pytest
+
+from kvport.errors import BlockNotFoundError, CorruptBlockError, TierUnavailableError
+from kvport.tiers import RedisTier
+
+K1, K2 = b"1" * 16, b"2" * 16
+
+
+@pytest.fixture()
+def tier(redis_server, request):  # type: ignore[no-untyped-def]
+    t = RedisTier(redis_server.url, prefix=f"t-{request.node.name}:", chunk_bytes=4096, socket_timeout_s=2)
+    yield t
+    try:
+        for k in list(t.keys()):
+            t.delete(k)
+    except TierUnavailableError:
+        pass
+    t.close()
+
+
+def test_put_get_chunked_and_batched(tier) -> None:  # type: ignore[no-untyped-def]
+    data = np.random.default_rng(0).integers(0, 256, 10_000, dtype=np.uint8)  # 3 chunks of 4 KiB
+    tier.put_many([(K1, data), (K2, b"tiny")])
+    assert tier.size_of(K1) == 10_000 and tier.size_of(K2) == 4
+    a, b = bytearray(10_000), bytearray(10)
+    assert tier.get_many_into([(K1, a), (K2, b), (b"3" * 16, bytearray(1))]) == [10_000, 4, None]
+    assert bytes(a) == data.tobytes() and b[:4] == b"tiny"
+    assert sorted(tier.keys()) == [K1, K2]
+    assert tier.contains_many([K1, b"3" * 16]) == [True, False]
+    assert tier.delete(K1)
+    with pytest.raises(BlockNotFoundError):
+        tier.get_into(K1, a)
+
+
+def test_ttl_expires_values(tier) -> None:  # type: ignore[no-untyped-def]
+    tier.put(K1, b"session", ttl_s=0.2)
+    ttl = tier.ttl_of(K1)
+    assert ttl is not None and 0 < ttl <= 0.2
+    time.sleep(0.35)
+    assert not tier.contains(K1)
+
+
+def test_tampered_value_is_corrupt_never_wrong_data(tier) -> None:  # type: ignore[no-untyped-def]
+    tier.put(K1, b"x" * 5000)
+    tier._r.setrange(tier._c(K1, 1), 3, b"!")
+    with pytest.raises(CorruptBlockError):
+        tier.get_into(K1, bytearray(5000))
+    assert not tier.contains(K1)
+
+
+def test_evicted_chunk_is_a_clean_miss(tier) -> None:  # type: ignore[no-untyped-def]
+    tier.put_many([(K1, b"x" * 9000), (K2, b"y" * 100)])
+    tier._r.delete(tier._c(K1, 2))  # what Redis maxmemory eviction can do to one part of a value
+    a, b = bytearray(9000), bytearray(100)
+    assert tier.get_many_into([(K1, a), (K2, b)]) == [None, 100]
+    assert not tier.contains(K1) and bytes(b) == b"y" * 100
+
+
+def test_redis_down_then_restarted(redis_server, tier) -> None:  # type: ignore[no-untyped-def]
+    tier.put(K1, b"before")
+    redis_server.stop()
+    try:
+        with pytest.raises(TierUnavailableError):
+            tier.put(K2, b"x")
+        with pytest.raises(TierUnavailableError):
+            tier.get_into(K1, bytearray(8))
+        with pytest.raises(TierUnavailableError):
+            tier.contains(K1)
+    finally:
+        redis_server.start()
+    assert not tier.contains(K1)  # persistence is off: a restart loses the values, a clean miss
+    tier.put(K2, b"after")
+    assert tier.get(K2) == b"after"

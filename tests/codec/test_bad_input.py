@@ -42,7 +42,11 @@ def test_shapes_that_do_not_match_the_spec(spec: KVSpec) -> None:
     with pytest.raises(CodecParamsError):
         get_codec("int8").encode(k, v[:, :, :5])
     with pytest.raises(CodecParamsError):
-        get_codec("mixed", k_hi=40, k_lo=40).encode(*kv())  # more channel classes than head_dim
+        get_codec("mixed", k_bits=9)  # more bits per K channel than 8
+    with pytest.raises(CodecParamsError):
+        get_codec("mixed", calib="no-such-model")
+    with pytest.raises(CodecParamsError):
+        get_codec("mixed", group=12)  # K codes pack 8 tokens at a time: groups are multiples of 8
 
 
 @pytest.mark.parametrize("codec_id", ALL)
@@ -110,7 +114,7 @@ def test_frame_meta_naming_an_unknown_codec_or_bad_params(spec: KVSpec) -> None:
     with pytest.raises(CodecParamsError):
         decode_block(frame.replace(b"group", b"grouq", 1), spec, dst)
     with pytest.raises(CodecParamsError):  # the caller expected another codec
-        decode_block(frame, spec, dst, codec=get_codec("kivi4", group=64))
+        decode_block(frame, spec, dst, codec=get_codec("kivi4", group=128))
 
 
 def test_frame_from_another_spec_or_wrong_destination(spec: KVSpec) -> None:
@@ -138,7 +142,11 @@ def test_mixed_class_map_is_validated_before_decoding(spec: KVSpec) -> None:
     with pytest.raises(CorruptPayloadError):
         c.decode(payload, ko, torch.empty_like(v), shape=enc.shape)
     sec["vcls"][0, :] = 0
-    sec["kcls"][0, 0, 0] = 7
+    sec["kbits"][0, 0, 0] = 9  # a width the codec never writes
+    with pytest.raises(CorruptPayloadError):
+        c.decode(payload, ko, torch.empty_like(v), shape=enc.shape)
+    sec["kbits"][0, 0, 0] = 8  # a valid width, but the layer's bits no longer add up to the budget
+    sec["kbits"][0, 0, 1] = 8
     with pytest.raises(CorruptPayloadError):
         c.decode(payload, ko, torch.empty_like(v), shape=enc.shape)
     assert (ko == 9.0).all()

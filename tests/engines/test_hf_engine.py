@@ -182,7 +182,10 @@ def test_tier_failing_mid_load_recomputes_with_same_output(model: object, model_
     assert failing.reads_left == 0  # two blocks were read before the failure
     assert r.cached_tokens == 0 and r.computed_tokens == 90 and r.fallback is not None
     assert r.tokens == good.tokens
-    # the same fault straight from a bare tier names the tier's own error
-    eng.store = TierBlocks(_FailingTier(tier, reads_left=1), eng.spec)
+    # the same fault straight from a bare tier (no store in between) names the tier's own error
+    bare = HostTier(16 * eng.spec.bytes_per_block, eng.spec.bytes_per_block)
+    eng.store = TierBlocks(bare, eng.spec)
+    assert eng.generate(prompt, NEW).stored_blocks == 5
+    eng.store = TierBlocks(_FailingTier(bare, reads_left=1), eng.spec)
     r2 = eng.generate(prompt, NEW)
     assert r2.fallback is not None and "TierUnavailableError" in r2.fallback and r2.tokens == good.tokens

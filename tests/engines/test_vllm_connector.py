@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvport.engines.vllm.bench import engine_threads_env
 from kvport.engines.vllm.identity import engine_spec
 from kvport.engines.vllm.measure import max_logprob_diff, random_tokens, run_engine, summarize
 from kvport.engines.vllm.runner import EngineJob
@@ -30,6 +31,7 @@ pytestmark = [
 BLOCK = 32
 PROMPT = 320  # 10 full blocks; a lookup may cover 9 (vLLM computes at least the last token)
 HIT = (PROMPT - 1) // BLOCK * BLOCK
+ONE_THREAD = engine_threads_env(1)  # bound 2-thread engines stall in OpenMP barriers on a shared 2-core box
 
 
 def _hits(t: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
@@ -44,7 +46,7 @@ def test_fresh_engine_loads_prefix_from_kvport_and_matches_recompute(model_dir: 
                               "max_tokens": 2, "max_model_len": 1024, "block_size": BLOCK, "disk_dir": str(disk)}
 
     # engine 1 computes every prompt from scratch (empty folder): the recompute reference, and the store
-    store = run_engine(EngineJob(**common), tmp_path, "store")
+    store = run_engine(EngineJob(**common), tmp_path, "store", engine_env=ONE_THREAD)
     ref = store["targets"]
     assert all(t["external_hits"] == 0 and t["connector"]["blocks_saved"] == PROMPT // BLOCK for t in ref)
 
@@ -64,7 +66,7 @@ def test_fresh_engine_loads_prefix_from_kvport_and_matches_recompute(model_dir: 
         tier.put(key, noise)
 
     # engine 2, a fresh process: loads what engine 1 stored
-    load = run_engine(EngineJob(**common), tmp_path, "load")
+    load = run_engine(EngineJob(**common), tmp_path, "load", engine_env=ONE_THREAD)
     got = load["targets"]
 
     # loaded from kvport, counted by vLLM as external hits, same logprobs as recomputing

@@ -52,5 +52,9 @@ def test_inputs_are_checked_before_any_engine_starts() -> None:
         prefix_ttft("/nonexistent", 2048, 1900)  # not whole blocks
     with pytest.raises(EngineError):
         bench.prefix_ttft(tokens=64, cached=16)  # rounds to 0 blocks
+    with pytest.raises(EngineError):
+        bench.engine_threads_env(0)
+    assert bench.engine_threads_env(None) == {}
+    assert bench.engine_threads_env(1)["OMP_NUM_THREADS"] == "1"
     assert random_tokens(3, 50) == random_tokens(3, 50) != random_tokens(4, 50)
     assert max_logprob_diff([], []) == (0.0, True)

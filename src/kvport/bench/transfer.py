@@ -7,7 +7,8 @@ Fair comparisons (same process layout, same bytes, same buffers, trials interlea
 * TCP: the parent sends, a spawned child receives into one preallocated destination (LKHTD block
   table). The raw baseline is plain ``sendall`` of 4 MiB memoryview slices of the *same* source and
   ``recv_into`` of 4 MiB slices of the *same* destination on a second connection to the same child;
-  kvport sends LAYER frames of at most 4 MiB (64 KiB chunks, each checksummed). The generic
+  kvport sends LAYER frames of at most 4 MiB (64 KiB chunks, each checksummed with xxh3-64 on both
+  sides; with more than two CPUs the hashing overlaps the socket calls, see ``transfer.framing``). The generic
   ``bench.limits.raw_socket_gbps`` (4 MiB reused receive buffer) is reported beside it.
 * Shared memory: the producer's KV lives in memory registered with the transport (one copy in all:
   the receiver copies into its block table); ``shm_vs_memcpy`` compares with numpy memcpy of the
@@ -142,7 +143,7 @@ def _shm(nbytes: int, trials: int) -> dict[str, Any]:
     proc.start()
     try:
         t = listener.accept(timeout_s=60)
-        sender = Sender(t, max_frame_bytes=_SHM_FRAME, batch_bytes=_SHM_FRAME)
+        sender = Sender(t, max_frame_bytes=_SHM_FRAME)
         reg = np.frombuffer(t.register(nbytes), dtype=np.uint8).reshape(nb, spec.bytes_per_block)
         reg.fill(1)
         plain = np.ones((nb, spec.bytes_per_block), dtype=np.uint8)

@@ -7,12 +7,8 @@ import json
 import click
 
 from kvport.config import Settings
-from kvport.planner.calibrate import PrefillPlan, calibrate, reference_ids
-from kvport.refmodel import MODEL_ID, load
 from kvport.spec import from_hf_config
 from kvport.units import format_bytes, format_seconds
-
-QUICK_PLAN = PrefillPlan(lengths=(16, 32, 64), incremental=((32, 16),), trials=1)
 
 
 @click.command()
@@ -29,9 +25,12 @@ def calibrate_cmd(profile_path: str | None, threads: int | None, quick: bool, no
     settings = Settings.from_env()
     if threads is not None:
         torch.set_num_threads(threads)
+    from kvport.planner.calibrate import PrefillPlan, calibrate, reference_ids  # torch: imported lazily
+    from kvport.refmodel import MODEL_ID, load
+
     model, tok = load(settings.model_dir)
     spec = from_hf_config(settings.model_dir, dtype="fp32", model_id=MODEL_ID)
-    plan = QUICK_PLAN if quick else PrefillPlan()
+    plan = PrefillPlan(lengths=(16, 32, 64), incremental=((32, 16),), trials=1) if quick else PrefillPlan()
     ids = reference_ids(tok, plan.max_tokens)
     say = (lambda m: None) if as_json else (lambda m: click.echo(f"measuring {m} ...", err=True))
     prof = calibrate(model, ids, spec, plan=plan, tier_folder=settings.home / "calibrate",

@@ -8,14 +8,14 @@ benchmark and process supervisors start servers this way.
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 from pathlib import Path
 
 import click
 
+from kvport.cli._run import run_click, setup_logging
 from kvport.config import Settings
-from kvport.errors import KVPortError, UserInputError
+from kvport.errors import UserInputError
 from kvport.server.app import ServerConfig, serve
 from kvport.server.limits import ServerLimits
 from kvport.units import parse_size
@@ -64,26 +64,9 @@ def serve_cmd(listen: str, capacity: str, disk_dir: str | None, disk_capacity: s
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes as ``kvport``'s: 2 for bad input (one line, no traceback), 1 for other kvport errors."""
-    try:
-        level = Settings.from_env().log_level
-    except UserInputError:
-        level = "WARNING"
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        serve_cmd.main(args=argv, prog_name="kvport serve", standalone_mode=False)
-    except click.exceptions.Abort:
-        return 130
-    except click.ClickException as exc:
-        exc.show()
-        return exc.exit_code
-    except UserInputError as exc:
-        click.echo(f"kvport: error: {exc}", err=True)
-        return 2
-    except KVPortError as exc:
-        click.echo(f"kvport: {type(exc).__name__}: {exc}", err=True)
-        return 1
-    return 0
+    """``python -m kvport.cli.serve_cmd``: the server without importing the other commands."""
+    setup_logging()
+    return run_click(serve_cmd, argv, "kvport serve")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ Codec ids and params are msgpack-able (``codec_to_dict``) and name the codec in 
 
 from kvport.codec import int8, kivi4, lossless, mixed, raw  # noqa: F401  (registers the codecs)
 from kvport.codec.base import Codec, Encoded, KVShape
-from kvport.codec.frame import FrameInfo, decode_block, encode_block, peek_header
+from kvport.codec.frame import FrameInfo, decode_block, encode_block, max_frame_size, peek_header
 from kvport.codec.registry import codec_from_dict, codec_ids, codec_key, codec_to_dict, get_codec
 
 __all__ = ["Codec", "Encoded", "FrameInfo", "KVShape", "codec_from_dict", "codec_ids", "codec_key",
-           "codec_to_dict", "decode_block", "encode_block", "get_codec", "peek_header"]
+           "codec_to_dict", "decode_block", "encode_block", "get_codec", "max_frame_size", "peek_header"]

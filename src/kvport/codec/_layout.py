@@ -1,4 +1,4 @@
-"""Payload sections and fp16 scale handling shared by the quantizing codecs.
+"""Payload sections and kernel input/output adapters shared by the quantizing codecs.
 
 A payload is a concatenation of fixed-size sections whose sizes follow from the shape and params
 alone, each starting at an 8-byte aligned offset::
@@ -14,8 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
-FP16_MAX = 65504.0
 
 
 def _align(n: int) -> int:
@@ -44,32 +42,6 @@ class Sections:
     @property
     def size(self) -> int:
         return self.offset
-
-
-def fp16_affine(mn: np.ndarray, mx: np.ndarray, levels: int, scale16: np.ndarray, zero16: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Store fp16 scale and zero for groups with range [mn, mx] at ``levels`` steps; return the fp32
-    (scale, zero, 1/scale) that the quantizer must use (exactly what the decoder will read back).
-
-    Ranges beyond fp16 are clipped (values outside are saturated); a constant group gets scale 0,
-    inverse 0, and decodes exactly to its zero point."""
-    np.clip(mn, -FP16_MAX, FP16_MAX, out=mn)
-    rng = np.subtract(mx, mn, dtype=np.float32)
-    rng *= np.float32(1.0 / levels)
-    np.clip(rng, 0.0, FP16_MAX, out=rng)
-    scale16[...] = rng
-    zero16[...] = mn
-    s32 = scale16.astype(np.float32)
-    z32 = zero16.astype(np.float32)
-    inv = np.zeros_like(s32)
-    np.divide(np.float32(1.0), s32, out=inv, where=s32 > 0)
-    return s32, z32, inv
-
-
-def fp16_to_f32(scale16: np.ndarray, zero16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    s = scale16.astype(np.float32)
-    z = zero16.astype(np.float32)
-    return s, z
 
 
 def kernel_input(x: np.ndarray) -> np.ndarray:

@@ -134,7 +134,7 @@ class Codec(abc.ABC):
 
     @abc.abstractmethod
     def _encode(self, k: np.ndarray, v: np.ndarray, shape: KVShape, out: np.ndarray,
-                importance: np.ndarray | None = None) -> int:
+                importance: np.ndarray | None = None, first_layer: int = 0) -> int:
         """Write the payload of (k, v) into ``out`` (>= max_encoded_size bytes); return bytes written."""
 
     @abc.abstractmethod
@@ -157,13 +157,15 @@ class Codec(abc.ABC):
 
     def encode(self, k: ArrayLike, v: ArrayLike, spec: KVSpec | None = None,
                out: np.ndarray | memoryview | bytearray | None = None,
-               importance: ArrayLike | None = None) -> Encoded:
+               importance: ArrayLike | None = None, first_layer: int = 0) -> Encoded:
         """Encode ``k`` and ``v`` (each ``(layers, heads, tokens, dim)``); ``out`` is an optional caller
         buffer of at least :meth:`max_encoded_size` bytes that the payload is written into.
 
         ``importance`` (``(layers, tokens)`` or ``(tokens,)``, e.g. attention mass supplied by the
         engine) steers codecs that choose tokens (``mixed``); the others ignore it. It changes which
-        tokens get more bits, never the payload size."""
+        tokens get more bits, never the payload size. ``first_layer`` is the model layer of the range's
+        first layer, for codecs with per-layer calibration tables (``mixed``); it never changes the size
+        and the payload decodes without it."""
         ka, kshape = as_kv_array(k, "k")
         va, vshape = as_kv_array(v, "v")
         if kshape != vshape:
@@ -189,7 +191,9 @@ class Codec(abc.ABC):
             if imp.shape != (kshape.layers, kshape.tokens):
                 raise CodecParamsError(f"importance must be (layers, tokens) = {(kshape.layers, kshape.tokens)} "
                                        f"or (tokens,), got {tuple(imp.shape)}")
-        n = self._encode(ka, va, kshape, buf, imp)
+        if not isinstance(first_layer, int) or first_layer < 0:
+            raise CodecParamsError(f"first_layer must be a non-negative int, got {first_layer!r}")
+        n = self._encode(ka, va, kshape, buf, imp, first_layer)
         return Encoded(self.codec_id, self.params, kshape, buf[:n])
 
     def decode(self, enc: Encoded | np.ndarray | bytes | memoryview, k_out: ArrayLike, v_out: ArrayLike,

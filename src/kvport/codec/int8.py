@@ -69,7 +69,7 @@ class Int8Codec(Codec):
         return _size(shape)
 
     def _encode(self, k: np.ndarray, v: np.ndarray, shape: KVShape, out: np.ndarray,
-                importance: np.ndarray | None = None) -> int:
+                importance: np.ndarray | None = None, first_layer: int = 0) -> int:
         qk, qv, sk, sv, zk, zv = _sections(out, shape)
         quant8_rows(kernel_input(k), qk, sk, zk)
         quant8_rows(kernel_input(v), qv, sv, zv)

@@ -56,7 +56,7 @@ class LosslessCodec(Codec):
         return shape.dtype.itemsize, shape.values
 
     def _encode(self, k: np.ndarray, v: np.ndarray, shape: KVShape, out: np.ndarray,
-                importance: np.ndarray | None = None) -> int:
+                importance: np.ndarray | None = None, first_layer: int = 0) -> int:
         isz, n = self._planes(shape)
         half = n // 2
         planes = np.empty((isz, n), np.uint8)

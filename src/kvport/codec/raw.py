@@ -28,7 +28,7 @@ class RawCodec(Codec):
         return shape.nbytes
 
     def _encode(self, k: np.ndarray, v: np.ndarray, shape: KVShape, out: np.ndarray,
-                importance: np.ndarray | None = None) -> int:
+                importance: np.ndarray | None = None, first_layer: int = 0) -> int:
         half = shape.nbytes // 2
         dt = np_dtype(shape.dtype)
         np.copyto(out[:half].view(dt).reshape(shape.dims), k)

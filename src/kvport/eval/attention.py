@@ -32,6 +32,7 @@ class KVHook:
     kv_dtype: DType = DType.FP32
     payload_bytes: int = 0
     bf16_bytes: int = 0
+    layer: int = 0  # the model layer of the current call (codecs with per-layer tables use it)
     _bufs: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = field(
         default_factory=dict)
 
@@ -45,7 +46,8 @@ class KVHook:
         kin, vin, kout, vout = self._bufs[shape]
         kin.copy_(key)
         vin.copy_(value)
-        enc = self.codec.encode(kin, vin)  # batch axis = the "layers" axis of a (1, H, T, D) range
+        # batch axis = the "layers" axis of a (1, H, T, D) range, which is model layer ``self.layer``
+        enc = self.codec.encode(kin, vin, first_layer=self.layer)
         self.codec.decode(enc, kout, vout)
         if self.kv_dtype is not DType.BF16 and self.codec.lossless:
             # raw / lossless sizes depend on the input bytes: count them on a bf16 copy
@@ -65,6 +67,10 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
 
     hook: KVHook | KVCapture | None = getattr(module, "kvport_kv_hook", None)
     if hook is not None:
+        if getattr(hook, "wants_query", False):
+            hook.observe_query(query, key, int(module.layer_idx))  # type: ignore[union-attr]
+        if isinstance(hook, KVHook):
+            hook.layer = int(module.layer_idx)
         key, value = hook(key, value)
     out: tuple[torch.Tensor, None] = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     return out

@@ -2,7 +2,7 @@
 
 Public API: :class:`TieredStore`, :class:`LookupResult`, :class:`StoreStats`, :class:`TierPolicy`,
 :class:`WriteMode`, :class:`Lifetime`, :class:`LifetimeRule`, :class:`LifetimePolicy`,
-:class:`TierIndex` and the eviction policies (:func:`make_policy`, ``"lru"`` default, ``"lfu"``).
+:class:`TierIndex` and the eviction policies (:func:`make_policy`: ``"slru"`` default, ``"lru"``, ``"lfu"``).
 """
 
 from kvport.store.eviction import POLICIES, EvictionPolicy, LFUDAPolicy, LRUPolicy, make_policy

@@ -12,8 +12,9 @@ heap of leaves. Priorities are floats, larger = keep longer:
 * ``slru`` (default; segmented LRU in priority form): a block that has not been hit since it was inserted is
   *on probation*: it enters ``probation`` x (blocks held) ticks below the top of the LRU order, so it
   leaves earlier than in plain LRU unless it is hit; a hit moves it to the top like LRU (and out of
-  probation). With unit sizes and a full cache, a probationary block stays about ``1 - probation``
-  of an LRU lifetime; blocks that proved reusable keep the full one. ``probation=0`` is plain LRU.
+  probation). A never-hit block thus lives ``probation`` x (blocks held) ticks less than under LRU
+  (an LRU lifetime is at least (blocks held) ticks, more when there are hits); blocks that proved
+  reusable keep the full one. ``probation=0`` is plain LRU.
   The parent-before-child touch order of ``lru`` still holds for hits; a chain inserted in one go
   keeps its order too (each insert takes the next tick). Why default: most KV blocks are used once
   (76% of the distinct blocks of the Mooncake conversation trace), and a block's chance of another

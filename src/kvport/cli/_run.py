@@ -1,0 +1,37 @@
+"""Run a click command with kvport's exit codes: 2 for bad input (one line, no traceback), 1 for other
+kvport errors, 130 when aborted. Shared by ``kvport`` and the lean ``python -m kvport.cli.serve_cmd``."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from kvport.config import Settings
+from kvport.errors import KVPortError, UserInputError
+
+
+def setup_logging() -> None:
+    try:
+        level = Settings.from_env().log_level
+    except UserInputError:
+        level = "WARNING"
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def run_click(command: click.Command, argv: list[str] | None, prog_name: str) -> int:
+    try:
+        command.main(args=argv, prog_name=prog_name, standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except UserInputError as exc:
+        click.echo(f"kvport: error: {exc}", err=True)
+        return 2
+    except KVPortError as exc:
+        click.echo(f"kvport: {type(exc).__name__}: {exc}", err=True)
+        return 1
+    return 0

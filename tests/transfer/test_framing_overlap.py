@@ -1,0 +1,88 @@
+"""Checksums computed/verified on worker threads (payloads of several batches) give the same bytes
+on the wire as the inline path and still catch every corrupted chunk, in any batch."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvport.transfer import inproc
+from kvport.transfer.framing import FrameIO
+from kvport.transfer.wire import CHECKSUM_BYTES, HEADER_BYTES, MsgType, decode_frame, encode_frame, frame_bytes
+
+CHUNK = 4096
+N_CHUNKS = 40  # with batch_bytes = 4 chunks: 10 batches
+
+
+def _chunks() -> list[memoryview]:
+    data = np.random.default_rng(7).integers(0, 256, CHUNK * N_CHUNKS, dtype=np.uint8)
+    return [data[i * CHUNK : (i + 1) * CHUNK].data for i in range(N_CHUNKS)]
+
+
+def _send(batch_bytes: int, chunks: list[memoryview], overlap: bool = True) -> bytes:
+    a, b = inproc.pair(capacity=1 << 22)
+    FrameIO(a, batch_bytes=batch_bytes, overlap=overlap).send(MsgType.LAYER, {"layer": 1}, chunks, CHUNK)
+    a.close()
+    out = bytearray()
+    buf = memoryview(bytearray(1))
+    while b.readable(0.5):
+        try:
+            b.recv_into([buf])
+        except Exception:
+            break
+        out += buf
+    return bytes(out)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("batch_bytes", [4 * CHUNK, 3 * CHUNK + 1, 1 << 30])
+def test_pipelined_send_writes_exactly_the_encoded_frame(batch_bytes: int, overlap: bool) -> None:
+    chunks = _chunks()
+    wire = _send(batch_bytes, chunks, overlap)
+    assert wire == frame_bytes(encode_frame(MsgType.LAYER, {"layer": 1}, chunks, CHUNK))
+    assert decode_frame(wire).payload == b"".join(bytes(c) for c in chunks)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("corrupt", [0, 5, 22, N_CHUNKS - 1])
+def test_pipelined_verify_reports_the_corrupted_chunk(corrupt: int, overlap: bool) -> None:
+    chunks = _chunks()
+    wire = bytearray(frame_bytes(encode_frame(MsgType.LAYER, {"layer": 1}, chunks, CHUNK)))
+    meta_len = int.from_bytes(wire[8:12], "little")
+    wire[HEADER_BYTES + meta_len + corrupt * (CHUNK + CHECKSUM_BYTES) + 17] ^= 0x01
+    a, b = inproc.pair(capacity=1 << 22)
+    th = threading.Thread(target=lambda: a.send([bytes(wire)]))
+    th.start()
+    io = FrameIO(b, batch_bytes=4 * CHUNK, overlap=overlap)
+    hdr, meta = io.read_head()
+    dst = np.zeros((N_CHUNKS, CHUNK), dtype=np.uint8)
+    bad = io.read_payload_into(hdr, [dst[i].data for i in range(N_CHUNKS)])
+    th.join()
+    assert meta == {"layer": 1} and bad == [corrupt]
+    ok = [i for i in range(N_CHUNKS) if i != corrupt]
+    assert all(bytes(dst[i].data) == bytes(chunks[i]) for i in ok)
+
+
+def test_forked_child_gets_its_own_checksum_workers() -> None:
+    import os
+    import time
+
+    chunks = _chunks()
+    expected = frame_bytes(encode_frame(MsgType.LAYER, {"layer": 1}, chunks, CHUNK))
+    assert _send(4 * CHUNK, chunks) == expected  # the parent's workers exist now
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        ok = _send(4 * CHUNK, chunks) == expected
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child hung on the parent's (dead) checksum workers")

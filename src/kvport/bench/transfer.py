@@ -143,7 +143,7 @@ def _shm(nbytes: int, trials: int) -> dict[str, Any]:
     proc.start()
     try:
         t = listener.accept(timeout_s=60)
-        sender = Sender(t, max_frame_bytes=_SHM_FRAME)
+        sender = Sender(t, max_frame_bytes=_SHM_FRAME, batch_bytes=_SHM_FRAME)
         reg = np.frombuffer(t.register(nbytes), dtype=np.uint8).reshape(nb, spec.bytes_per_block)
         reg.fill(1)
         plain = np.ones((nb, spec.bytes_per_block), dtype=np.uint8)

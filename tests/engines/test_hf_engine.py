@@ -189,3 +189,34 @@ def test_tier_failing_mid_load_recomputes_with_same_output(model: object, model_
     eng.store = TierBlocks(_FailingTier(bare, reads_left=1), eng.spec)
     r2 = eng.generate(prompt, NEW)
     assert r2.fallback is not None and "TierUnavailableError" in r2.fallback and r2.tokens == good.tokens
+
+
+def _planner(model_dir: Path, tier_bandwidth: float) -> object:
+    """A planner whose profile says the store tier moves ``tier_bandwidth`` bytes/s and prefill costs 1 ms/token."""
+    import time as _time
+
+    from kvport.planner import Link, LinkKind, Planner, PrefillModel, Profile
+
+    spec = from_hf_config(model_dir, dtype=DType.FP32)
+    now = _time.time()
+    prefill = PrefillModel(model_id=spec.model_id, threads=1, a=0.0, b=1e-3, c=0.0, d=0.0, measured_at=now)
+    prof = Profile(machine="test", created=now, prefill=prefill,
+                   links=(Link("store", LinkKind.TIER, tier_bandwidth, 0.0, now),))
+    return Planner(prof, machine="test")
+
+
+@pytest.mark.parametrize(("bandwidth", "expect_load"), [(1e3, False), (1e12, True)])
+def test_engine_asks_the_planner_before_loading(model: object, model_dir: Path, tier: HostTier,
+                                                bandwidth: float, expect_load: bool) -> None:
+    prompt = _prompt(100, 5)
+    reference = _engine(model, model_dir, None).generate(prompt, NEW).tokens
+    spec = from_hf_config(model_dir, dtype=DType.FP32)
+    store = StoreBlocks(TieredStore([tier]), spec)
+    HFEngine(model, spec, store).generate(prompt, NEW)  # stores the prompt's blocks
+    eng = HFEngine(model, spec, store, planner=_planner(model_dir, bandwidth))  # type: ignore[arg-type]
+    res = eng.generate(prompt, NEW, store_output=False)
+    assert res.tokens == reference  # same greedy output whichever way the planner goes
+    if expect_load:
+        assert res.cached_tokens > 0 and res.fallback is None
+    else:  # a 1 kB/s link: recompute is far cheaper, nothing is loaded and the reason is recorded
+        assert res.cached_tokens == 0 and res.fallback is not None and res.fallback.startswith("planner:")

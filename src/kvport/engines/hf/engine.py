@@ -38,6 +38,7 @@ from kvport.engines.hf.layout import BlockLayout, cache_layers, dynamic_cache
 from kvport.engines.hf.port import BlockStore, Lifetime
 from kvport.errors import EngineError, KVPortError
 from kvport.keys import BlockKey, KeyContext, as_token_array, chain_keys
+from kvport.planner import Action, Cached, LinkKind, Planner, Request
 from kvport.spec import DType, KVSpec, from_hf_config
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,8 @@ class HFEngine:
     """
 
     def __init__(self, model: Any, spec: KVSpec, store: BlockStore | None = None, *,
-                 key_ctx: KeyContext | None = None, eos_token_ids: Sequence[int] | None = None) -> None:
+                 key_ctx: KeyContext | None = None, eos_token_ids: Sequence[int] | None = None,
+                 planner: Planner | None = None, tier_name: str = "store") -> None:
         cfg = model.config.get_text_config(decoder=True)
         n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -101,6 +103,8 @@ class HFEngine:
         self.model = model
         self.spec = spec
         self.store = store
+        self.planner = planner  # asked before every load; None = always load what is cached
+        self.tier_name = tier_name  # the planner profile's link/tier name for ``store``
         self.layout = BlockLayout(spec)
         if next(model.parameters()).dtype != self.layout.dtype:
             raise EngineError(f"model dtype {next(model.parameters()).dtype} != spec dtype {spec.dtype.value}")
@@ -129,16 +133,31 @@ class HFEngine:
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return int(out.logits[0, -1].argmax())
 
-    def load(self, keys: Sequence[BlockKey]) -> Loaded:
-        """The longest stored prefix of ``keys``, gathered into a fresh ``DynamicCache``."""
+    def load(self, keys: Sequence[BlockKey], prompt_tokens: int | None = None) -> Loaded:
+        """The longest stored prefix of ``keys``, gathered into a fresh ``DynamicCache``.
+
+        With a planner, the planner is asked first (``prompt_tokens`` long prompt, the hit cached in
+        ``tier_name``); when it says recompute, nothing is loaded and the reason is the fallback. Split is
+        run as load here (the engine computes the uncached rest either way)."""
         if self.store is None or not keys:
             return Loaded(0, None)
         try:
             hit = min(self.store.longest_prefix(keys), len(keys))
             if hit <= 0:
                 return Loaded(0, None)
+            if self.planner is not None:
+                bs = self.spec.block_size
+                req = Request(prompt_tokens=max(prompt_tokens or 0, hit * bs + 1), spec=self.spec,
+                              cached=(Cached(self.tier_name, hit * bs),))
+                decision = self.planner.decide(req)
+                if decision.action is Action.RECOMPUTE:
+                    return Loaded(0, None, f"planner: {decision.reason}")
+            t0 = time.perf_counter()
             staging = self.layout.staging(hit)
             self.store.read_into(keys[:hit], staging)
+            if self.planner is not None:
+                self.planner.observe_transfer(hit * self.spec.bytes_per_block, time.perf_counter() - t0,
+                                              self.tier_name, LinkKind.TIER)
         except KVPortError as exc:
             reason = f"{type(exc).__name__}: {exc}"
             _FALLBACKS.labels(type(exc).__name__).inc()
@@ -154,7 +173,7 @@ class HFEngine:
             raise EngineError("empty prompt")
         bs = self.spec.block_size
         keys = self.keys(ids[: ((len(ids) - 1) // bs) * bs])
-        loaded = self.load(keys)
+        loaded = self.load(keys, prompt_tokens=len(ids))
         hit, cache, fallback = loaded.blocks, loaded.cache, loaded.fallback
         start = hit * bs
         if cache is None:

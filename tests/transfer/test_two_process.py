@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import struct
 from collections.abc import Iterator
@@ -96,8 +97,11 @@ def test_sender_dies_or_resets_mid_stream(kind: str, mode: str) -> None:
         rx = Receiver(t, peers.SPEC, host_tier_factory(tier), budget_bytes=1 << 20)
         rx.start()
         inc = rx.next_transfer(timeout=20)
-        if mode == "die":  # (an RST may discard bytes the receiver had not read yet)
-            inc.wait_for_layer(1, timeout=20)  # the first layers did arrive
+        if mode == "die":
+            # the first layers normally arrive before the death is seen; but an RST may discard bytes the
+            # receiver had not read yet, and on shm the closed control channel may be seen first
+            with contextlib.suppress(PeerError):
+                inc.wait_for_layer(1, timeout=20)
         with pytest.raises(PeerError):
             inc.wait(timeout=20)
         with pytest.raises(PeerError):

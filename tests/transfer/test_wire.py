@@ -121,3 +121,13 @@ def test_fuzz_mutated_valid_frames(pos: int, byte: int, payload: bytes) -> None:
     except (ProtocolError, ChecksumError):
         return
     assert bytes(buf) == orig and f.payload == payload  # every surviving frame is the unmodified one
+
+
+def test_advance_drops_finished_views_and_slices_the_partial_one() -> None:
+    from kvport.transfer.transport import advance
+
+    views = [memoryview(b"abc"), memoryview(b"defg"), memoryview(b"hi")]
+    assert advance(views, 0, 0) == 0
+    assert advance(views, 0, 5) == 1 and bytes(views[1]) == b"fg"
+    assert advance(views, 1, 2) == 2 and bytes(views[2]) == b"hi"
+    assert advance(views, 2, 2) == 3

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvport.errors import ChecksumError, PeerError, ProtocolError
-from kvport.transfer.transport import Buffer, as_byte_views
+from kvport.transfer.transport import Buffer, advance, as_byte_views
 from kvport.transfer.wire import (
     CHECKSUM_BYTES,
     HEADER_BYTES,
@@ -79,14 +79,7 @@ class SockStream:
                 raise PeerError(f"{self.peer}: receive failed: {exc}") from exc
             if n == 0:
                 raise PeerError(f"{self.peer}: connection closed by peer")
-            while n:
-                m = vs[i].nbytes
-                if n >= m:
-                    n -= m
-                    i += 1
-                else:
-                    vs[i] = vs[i][n:]
-                    n = 0
+            i = advance(vs, i, n)  # drop finished views, slice the partial one
 
     async def send(self, parts: Sequence[Buffer]) -> None:
         views = as_byte_views(parts)
@@ -99,14 +92,7 @@ class SockStream:
                 continue
             except OSError as exc:
                 raise PeerError(f"{self.peer}: send failed: {exc}") from exc
-            while n:
-                m = views[i].nbytes
-                if n >= m:
-                    n -= m
-                    i += 1
-                else:
-                    views[i] = views[i][n:]
-                    n = 0
+            i = advance(views, i, n)  # drop finished views, slice the partial one
 
     async def _ready(self, add: Callable[..., Any], remove: Callable[[int], bool]) -> None:
         fut: asyncio.Future[None] = self._loop.create_future()

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from kvport.errors import ConfigError, PeerError, ProtocolError
 from kvport.transfer.striped import StripedTransport
-from kvport.transfer.transport import Buffer, as_byte_views
+from kvport.transfer.transport import Buffer, advance, as_byte_views
 from kvport.transfer.wire import Limits, MsgType
 
 _IOV_MAX = 512
@@ -60,14 +60,7 @@ class TcpTransport:
         try:
             while i < len(views):
                 n = self.sock.sendmsg(views[i : i + _IOV_MAX])
-                while n:  # drop fully sent views, slice the partial one
-                    m = views[i].nbytes
-                    if n >= m:
-                        n -= m
-                        i += 1
-                    else:
-                        views[i] = views[i][n:]
-                        n = 0
+                i = advance(views, i, n)  # drop finished views, slice the partial one
         except TimeoutError as exc:
             raise PeerError(f"{self.name}: send timed out (peer stopped reading)") from exc
         except OSError as exc:
@@ -84,14 +77,7 @@ class TcpTransport:
                     n = self.sock.recvmsg_into(views[i : i + _IOV_MAX])[0]
                 if n == 0:
                     raise PeerError(f"{self.name}: connection closed by peer mid-frame")
-                while n:
-                    m = views[i].nbytes
-                    if n >= m:
-                        n -= m
-                        i += 1
-                    else:
-                        views[i] = views[i][n:]
-                        n = 0
+                i = advance(views, i, n)  # drop finished views, slice the partial one
         except TimeoutError as exc:
             raise PeerError(f"{self.name}: receive timed out (peer stopped sending)") from exc
         except OSError as exc:

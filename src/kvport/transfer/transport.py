@@ -49,6 +49,20 @@ def as_byte_views(parts: Sequence[Buffer]) -> list[memoryview]:
     return out
 
 
+def advance(views: list[memoryview], i: int, n: int) -> int:
+    """After a scatter/gather call moved ``n`` bytes starting at ``views[i]``: drop the views it
+    finished, slice the partial one in place, and return the index of the first unfinished view."""
+    while n:
+        m = views[i].nbytes
+        if n >= m:
+            n -= m
+            i += 1
+        else:
+            views[i] = views[i][n:]
+            n = 0
+    return i
+
+
 class TokenBucket:
     """``rate`` bytes/s with a ``burst``-byte bucket; ``take(n)`` sleeps until n bytes are allowed.
 

@@ -12,6 +12,8 @@ Keys (all optional except the store location)::
     kvport_expect_spec     a KVSpec as a dict: the engine refuses to start when its
                            own spec differs (the error names the first field)          (none)
     kvport_tenant_salt     bytes as hex, chained into every key                        ("")
+    kvport_profile         a `kvport calibrate` profile: the cost planner is asked for
+                           every lookup and may answer recompute (the hit is declined) (none)
 
 Unknown ``kvport_*`` keys are an error (a typo must not silently fall back to a default);
 keys without the prefix belong to other connectors and are ignored.
@@ -31,7 +33,7 @@ from kvport.units import parse_size
 _PREFIX = "kvport_"
 _KNOWN = frozenset({
     "kvport_disk_dir", "kvport_disk_capacity", "kvport_staging_tokens", "kvport_model_revision",
-    "kvport_expect_spec", "kvport_tenant_salt",
+    "kvport_expect_spec", "kvport_tenant_salt", "kvport_profile",
 })
 DEFAULT_DISK_CAPACITY = 8 * 1024**3
 DEFAULT_STAGING_TOKENS = 2048
@@ -45,6 +47,7 @@ class ConnectorConfig:
     model_revision: str = ""
     expect_spec: KVSpec | None = None
     tenant_salt: bytes = b""
+    profile_path: Path | None = None  # calibration profile: the planner gates every lookup; None = always load
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -75,7 +78,11 @@ class ConnectorConfig:
             salt = None
         if salt is None:
             raise ConfigError(f"kvport_tenant_salt must be a hex string, got {salt_hex!r}")
+        profile = cfg.get("kvport_profile")
+        if profile is not None and (not isinstance(profile, str | Path) or not str(profile)):
+            raise ConfigError(f"kvport_profile must be a path to a calibration profile, got {profile!r}")
         return cls(
+            profile_path=None if profile is None else Path(profile).expanduser(),
             disk_dir=Path(disk_dir).expanduser(),
             disk_capacity_bytes=capacity,
             staging_tokens=staging,

@@ -44,7 +44,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvport.engines.vllm.gate import gate
 from kvport.keys import KeyContext
+from kvport.planner import Planner as CostPlanner
+from kvport.planner import Profile
 from kvport.spec import KVSpec
 from kvport.tiers.base import Tier
 
@@ -108,6 +111,8 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.key_context = KeyContext(block_size=self.spec.block_size, spec_fingerprint=self.spec.fingerprint,
                                       tenant_salt=self.cfg.tenant_salt)
         self.planner = Planner(self.key_context, self.tier.contains)
+        # the cost planner (transfer vs recompute) gates lookups when a calibration profile is configured
+        self.cost_planner = None if self.cfg.profile_path is None else CostPlanner(Profile.load(self.cfg.profile_path))
         self.mover: BlockMover | None = None
         self.matched_tokens = 0  # scheduler side: tokens promised to vLLM by lookups that it accepted
 
@@ -115,7 +120,7 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         prompt = request.prompt_token_ids or []
         n = self.planner.lookup(request.request_id, prompt, num_computed_tokens, request_salt(request))
-        return n, False
+        return gate(self.cost_planner, self.spec, len(prompt), num_computed_tokens, n), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self.planner.after_alloc(request.request_id, num_external_tokens)

@@ -3,7 +3,9 @@ kvport errors, 130 when aborted. Shared by ``kvport`` and the lean ``python -m k
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Iterable
 
 import click
 
@@ -35,3 +37,17 @@ def run_click(command: click.Command, argv: list[str] | None, prog_name: str) ->
         click.echo(f"kvport: {type(exc).__name__}: {exc}", err=True)
         return 1
     return 0
+
+
+def parse_key_values(items: Iterable[str], flag: str) -> dict[str, object]:
+    """``KEY=VALUE`` options (``--set``, ``--param``): VALUE is JSON when it parses, else a string."""
+    out: dict[str, object] = {}
+    for item in items:
+        if "=" not in item:
+            raise UserInputError(f"{flag} expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import importlib
-import json
 
 import click
 
 from kvport.bench import SUITES
 from kvport.bench.harness import Report, SuiteOptions
+from kvport.cli._run import parse_key_values
 from kvport.errors import UserInputError
 
 
@@ -30,15 +30,7 @@ def run_suite(name: str, opts: SuiteOptions) -> Report:
 def bench(suite: str, quick: bool, json_path: str | None, sets: tuple[str, ...], trace_path: str | None,
           capacity: str | None) -> None:
     """Run benchmark SUITE and print its JSON report (suite, conditions, limits, results)."""
-    extra: dict[str, object] = {}
-    for item in sets:
-        if "=" not in item:
-            raise UserInputError(f"--set expects KEY=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        try:
-            extra[k] = json.loads(v)
-        except json.JSONDecodeError:
-            extra[k] = v
+    extra = parse_key_values(sets, "--set")
     if trace_path is not None:
         extra["trace"] = trace_path
     if capacity is not None:

@@ -7,20 +7,8 @@ import json
 
 import click
 
+from kvport.cli._run import parse_key_values
 from kvport.errors import CodecError, UserInputError
-
-
-def _params(items: tuple[str, ...]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for item in items:
-        if "=" not in item:
-            raise UserInputError(f"--param expects KEY=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
 
 
 @click.group(name="eval")
@@ -53,7 +41,7 @@ def quality(codec_names: tuple[str, ...], tokens: int, windows: int, sets: str, 
     bad = [s for s in chosen if s not in TEXT_SETS]
     if bad or not chosen:
         raise UserInputError(f"unknown text sets {bad}: expected some of {', '.join(TEXT_SETS)}")
-    kw = _params(params)
+    kw = parse_key_values(params, "--param")
     try:
         codecs = [get_codec(name, **kw) for name in codec_names]
     except CodecError as exc:  # a codec name or parameter typed by a person

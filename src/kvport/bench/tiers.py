@@ -34,7 +34,7 @@ from kvport.bench.limits import drop_file_cache, raw_redis_gbps
 from kvport.config import Settings
 from kvport.errors import KVPortError
 from kvport.spec import KVSpec, from_preset
-from kvport.tiers import DiskTier, HostTier, RedisTier
+from kvport.tiers import DiskTier, HostTier, RedisTier, Tier
 
 _RAW_PIECE = 4 << 20
 
@@ -85,6 +85,21 @@ def _blocks(spec: KVSpec, tokens: int) -> tuple[np.ndarray, list[memoryview], li
     return payload, views, keys
 
 
+def _put_get_round(tier: Tier, items: list[tuple[bytes, memoryview]], gets: list[tuple[bytes, memoryview]],
+                   keys: list[bytes]) -> tuple[float, float]:
+    """One timed put_many and get_many_into of the whole request, then the blocks are deleted again."""
+    t0 = time.perf_counter()
+    tier.put_many(items)
+    t1 = time.perf_counter()
+    got = tier.get_many_into(gets)
+    t2 = time.perf_counter()
+    if None in got:
+        raise KVPortError(f"{tier.name} tier lost a block during the benchmark")
+    for k in keys:
+        tier.delete(k)
+    return t1 - t0, t2 - t1
+
+
 def _host(views: list[memoryview], keys: list[bytes], src: np.ndarray, dst: np.ndarray,
           trials: int) -> dict[str, float]:
     """Host tier put/get, each trial interleaved with the memcpy limit so both see the same load."""
@@ -100,16 +115,9 @@ def _host(views: list[memoryview], keys: list[bytes], src: np.ndarray, dst: np.n
         t0 = time.perf_counter()
         np.copyto(dst, src)
         mt.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        tier.put_many(items)
-        pt.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        got = tier.get_many_into(gets)
-        gt.append(time.perf_counter() - t0)
-        if None in got:
-            raise KVPortError("host tier lost a block during the benchmark")
-        for k in keys:
-            tier.delete(k)
+        put_s, get_s = _put_get_round(tier, items, gets, keys)
+        pt.append(put_s)
+        gt.append(get_s)
     tier.close()
     n = src.nbytes
     return {"memcpy_gbps": gbps(n, _median(mt[1:])), "put_gbps": gbps(n, _median(pt[1:])),
@@ -184,16 +192,9 @@ def _redis(url: str, views: list[memoryview], keys: list[bytes], dst: np.ndarray
             return {"raw_set_gbps": None, "raw_get_gbps": None, "put_gbps": None, "get_gbps": None}
         sets.append(raw["set_gbps"])
         raw_gets.append(raw["get_gbps"])
-        t0 = time.perf_counter()
-        tier.put_many(items)
-        pt.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        got = tier.get_many_into(gets)
-        gt.append(time.perf_counter() - t0)
-        if None in got:
-            raise KVPortError("redis tier lost a block during the benchmark")
-        for k in keys:
-            tier.delete(k)
+        put_s, get_s = _put_get_round(tier, items, gets, keys)
+        pt.append(put_s)
+        gt.append(get_s)
     tier.close()
     return {"raw_set_gbps": _median(sets), "raw_get_gbps": _median(raw_gets),
             "put_gbps": gbps(n, _median(pt)), "get_gbps": gbps(n, _median(gt))}

@@ -154,20 +154,9 @@ def main(conn: Connection, cfg: dict[str, Any]) -> None:
         messages.send(conn, {"op": "ready", "ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return
     messages.send(conn, {"op": "ready", "ok": True, "port": w.listener.port})
-    while True:
-        msg = messages.recv(conn)
-        op = msg["op"]
-        if op == "stop":
-            w.close()
-            messages.send(conn, {"op": "stopped", "ok": True})
-            return
-        try:
-            if op == "expect":
-                w.expect(str(msg["rid"]), int(msg["n_tokens"]))
-                messages.send(conn, {"op": "expecting", "ok": True})
-            elif op == "decode":
-                messages.send(conn, {"op": "decoded", **w.decode(msg)})
-            else:
-                messages.send(conn, {"op": op, "ok": False, "error": f"unknown op {op!r}"})
-        except KVPortError as exc:
-            messages.send(conn, {"op": op, "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+
+    def expect(msg: dict[str, Any]) -> dict[str, Any]:
+        w.expect(str(msg["rid"]), int(msg["n_tokens"]))
+        return {"op": "expecting"}
+
+    messages.serve(conn, {"expect": expect, "decode": lambda msg: {"op": "decoded", **w.decode(msg)}}, w.close)

@@ -231,20 +231,9 @@ def main(conn: Connection, cfg: dict[str, Any]) -> None:
         return
     messages.send(conn, {"op": "ready", "ok": True, "profile": w.planner.profile.as_dict()
                          if w.planner.profile else None})
-    while True:
-        msg = messages.recv(conn)
-        op = msg["op"]
-        if op == "stop":
-            w.close()
-            messages.send(conn, {"op": "stopped", "ok": True})
-            return
-        try:
-            if op == "connect":
-                w.connect(int(msg["port"]))
-                messages.send(conn, {"op": "connected", "ok": True})
-            elif op == "prefill":
-                messages.send(conn, {"op": "prefilled", **w.prefill(msg)})
-            else:
-                messages.send(conn, {"op": op, "ok": False, "error": f"unknown op {op!r}"})
-        except KVPortError as exc:
-            messages.send(conn, {"op": op, "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+
+    def connect(msg: dict[str, Any]) -> dict[str, Any]:
+        w.connect(int(msg["port"]))
+        return {"op": "connected"}
+
+    messages.serve(conn, {"connect": connect, "prefill": lambda msg: {"op": "prefilled", **w.prefill(msg)}}, w.close)

@@ -67,6 +67,34 @@ def test_transport_scatter_gather(kind: str) -> None:
     b.close()
 
 
+def test_shm_sender_is_woken_while_another_thread_reads_the_control_channel() -> None:
+    """The sending thread (waiting for ring space) and a reader thread (waiting for frames, like the
+    Sender's) share one control socket: ring space freed by the peer must wake the sender at once,
+    not after the reader's select times out (that cost one timeout per ring turn)."""
+    a, b = shm.pair(1 << 14, 4)  # 64 KiB ring: 16 MiB is 256 ring turns
+    data = np.random.default_rng(3).integers(0, 256, 16 << 20, dtype=np.uint8)
+    out = np.zeros_like(data)
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            a.readable(1.0)
+
+    rx = threading.Thread(target=lambda: b.recv_into([out.data]))
+    rd = threading.Thread(target=reader)
+    rx.start()
+    rd.start()
+    a.send([data.data])
+    silent_while_sending = a.silent_waits
+    rx.join(60)
+    stop.set()
+    rd.join(5)
+    assert np.array_equal(out, data)
+    assert silent_while_sending <= 8  # was about one per ring turn
+    a.close()
+    b.close()
+
+
 def _run(kind: str, dest_factory: Any, sender_kw: dict[str, Any] | None = None, **rx_kw: Any
          ) -> tuple[Sender, Receiver]:
     a, b = _pairs()[kind]()

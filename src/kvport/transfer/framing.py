@@ -129,12 +129,14 @@ class FrameIO:
                 bounds.append((start, i + 1))
                 start, pending = i + 1, 0
         head = encode_header(msg_type, encode_meta(meta or {}), payload_len, cs, flags, corr_id)
-        if len(bounds) <= 1 or not self.overlap:
+        if len(bounds) <= 1 or not self.overlap:  # inline: hash a batch, then send it while it is in cache
             parts: list[Buffer] = [head]
-            for c, tr in zip(chunks, _trailers(chunks), strict=True):
-                parts.append(c)
-                parts.append(tr)
-            self.t.send(parts)
+            for a, b in bounds or [(0, 0)]:
+                for c, tr in zip(chunks[a:b], _trailers(chunks[a:b]), strict=True):
+                    parts.append(c)
+                    parts.append(tr)
+                self.t.send(parts)
+                parts = []
             return payload_len
         pool = _hash_pool()
         futs = [pool.submit(_trailers, chunks[a:b]) for a, b in bounds]

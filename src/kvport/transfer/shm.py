@@ -153,7 +153,9 @@ class ShmTransport:
         self._regions: list[tuple[int, int, _Segment]] = []  # my registered memory: (address, size, segment)
         self._peer_regions: dict[int, _Segment] = {}
         self._rbuf = bytearray()
-        self._pump_lock = threading.Lock()
+        self._cv = threading.Condition()  # guards _pumping; notified after each batch of control messages
+        self._pumping = False
+        self.silent_waits = 0  # control-channel waits that timed out with nothing from the peer
         self._send_lock = threading.Lock()
         self._ctrl_wlock = threading.Lock()
         self._txq = bytearray()  # queued FILLED / DESC messages of the current send()
@@ -183,43 +185,44 @@ class ShmTransport:
 
     # ------------------------------------------------------------------ control
     def _pump(self, timeout: float | None) -> bool:
-        """Read available control messages (waiting up to ``timeout``); True if any arrived."""
-        with self._pump_lock:
-            if self._closed:
-                raise PeerError("shm: transport closed")
-            try:
-                r, _, _ = select.select([self.ctrl], [], [], timeout)
-                if not r:
-                    return False
-                data = self.ctrl.recv(65536)
-            except OSError as exc:
-                raise PeerError(f"shm: control channel failed: {exc}") from exc
-            if not data:
-                raise PeerError("shm: peer closed the connection")
-            self._rbuf += data
-            off = 0
-            while len(self._rbuf) - off >= _CTRL.size:
-                kind, ident, nb, pos = _CTRL.unpack_from(self._rbuf, off)
-                if kind == _REG:
-                    if len(self._rbuf) - off < _CTRL.size + _NAME_BYTES:
-                        break
-                    raw = bytes(self._rbuf[off + _CTRL.size : off + _CTRL.size + min(nb, _NAME_BYTES)])
-                    self._on_reg(ident, raw.decode("ascii", "replace"), pos)
-                    off += _CTRL.size + _NAME_BYTES
-                    continue
-                off += _CTRL.size
-                if kind == _FILLED and nb > 0 and pos + nb <= self.in_ring_bytes:
-                    self._ready.append((_FILLED, 0, pos, nb))
-                elif kind == _DESC and ident in self._peer_regions and pos + nb <= self._peer_regions[ident].size:
-                    self._ready.append((_DESC, ident, pos, nb))
-                elif kind == _FREED and self._freed <= pos <= self._published:
-                    self._freed = pos  # cumulative bytes of my ring the peer consumed
-                elif kind == _MAPPED and ident < len(self._regions):
-                    self._regions[ident][2].unlink()  # the peer mapped it: nothing left to leak
-                else:
-                    raise PeerError(f"shm: bad control message kind={kind} id={ident} n={nb} off={pos}")
-            del self._rbuf[:off]
-            return True
+        """Read available control messages (waiting up to ``timeout``); True if any arrived.
+        Only the thread that set ``_pumping`` calls this (see :meth:`_until`)."""
+        if self._closed:
+            raise PeerError("shm: transport closed")
+        try:
+            r, _, _ = select.select([self.ctrl], [], [], timeout)
+            if not r:
+                self.silent_waits += 1
+                return False
+            data = self.ctrl.recv(65536)
+        except OSError as exc:
+            raise PeerError(f"shm: control channel failed: {exc}") from exc
+        if not data:
+            raise PeerError("shm: peer closed the connection")
+        self._rbuf += data
+        off = 0
+        while len(self._rbuf) - off >= _CTRL.size:
+            kind, ident, nb, pos = _CTRL.unpack_from(self._rbuf, off)
+            if kind == _REG:
+                if len(self._rbuf) - off < _CTRL.size + _NAME_BYTES:
+                    break
+                raw = bytes(self._rbuf[off + _CTRL.size : off + _CTRL.size + min(nb, _NAME_BYTES)])
+                self._on_reg(ident, raw.decode("ascii", "replace"), pos)
+                off += _CTRL.size + _NAME_BYTES
+                continue
+            off += _CTRL.size
+            if kind == _FILLED and nb > 0 and pos + nb <= self.in_ring_bytes:
+                self._ready.append((_FILLED, 0, pos, nb))
+            elif kind == _DESC and ident in self._peer_regions and pos + nb <= self._peer_regions[ident].size:
+                self._ready.append((_DESC, ident, pos, nb))
+            elif kind == _FREED and self._freed <= pos <= self._published:
+                self._freed = pos  # cumulative bytes of my ring the peer consumed
+            elif kind == _MAPPED and ident < len(self._regions):
+                self._regions[ident][2].unlink()  # the peer mapped it: nothing left to leak
+            else:
+                raise PeerError(f"shm: bad control message kind={kind} id={ident} n={nb} off={pos}")
+        del self._rbuf[:off]
+        return True
 
     def _on_reg(self, rid: int, name: str, size: int) -> None:
         if rid in self._peer_regions or size > (1 << 40):
@@ -227,13 +230,37 @@ class ShmTransport:
         self._peer_regions[rid] = _Segment.attach(name, size)
         self._ctrl_send(_CTRL.pack(_MAPPED, rid, 0, 0), "register")
 
+    def _until(self, ready: Callable[[], bool], timeout_s: float | None) -> bool:
+        """Wait until ``ready()`` (True) or ``timeout_s`` passed (False).
+
+        The sending thread (waiting for ring space) and the receiving thread (waiting for data) share
+        one control socket. One of them at a time reads it (``_pumping``); the other sleeps on the
+        condition, which the reader notifies after every batch of messages, so neither waits on
+        progress the other has already seen (a lock held across ``select`` did exactly that: up to
+        one select timeout per ring turn)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self._cv:
+                while True:
+                    if ready():
+                        return True
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    if not self._pumping:
+                        break
+                    self._cv.wait(0.05 if left is None else min(0.05, left))
+                self._pumping = True
+            try:
+                self._pump(0.05 if left is None else min(0.05, left))
+            finally:
+                with self._cv:
+                    self._pumping = False
+                    self._cv.notify_all()
+
     def _wait(self, ready: Callable[[], bool], what: str) -> None:
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
-        while not ready():
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise PeerError(f"shm: {what} timed out (peer stopped {'reading' if what == 'send' else 'sending'})")
-            self._pump(0.05 if left is None else min(0.05, left))
+        if not self._until(ready, self.timeout_s):
+            raise PeerError(f"shm: {what} timed out (peer stopped {'reading' if what == 'send' else 'sending'})")
 
     # ------------------------------------------------------------------ send
     def _publish(self) -> None:
@@ -317,17 +344,10 @@ class ShmTransport:
             self._ack()
 
     def readable(self, timeout: float) -> bool:
-        deadline = time.monotonic() + max(0.0, timeout)
-        while True:
-            if self._cur_in is not None or self._ready:
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            try:
-                self._pump(left)
-            except PeerError:
-                return True  # EOF / failure: the next read raises it
+        try:
+            return self._until(lambda: self._cur_in is not None or bool(self._ready), max(0.0, timeout))
+        except PeerError:
+            return True  # EOF / failure: the next read raises it
 
     def close(self) -> None:
         if self._closed:

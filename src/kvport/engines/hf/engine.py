@@ -4,8 +4,10 @@ One request::
 
     prompt ids --chain_keys--> keys[0..P)          P = (len(prompt) - 1) // B  (>= 1 token is prefilled)
     store.longest_prefix(keys) = h                 load blocks 0..h into staging, one gather into landing
-    DynamicCache adopts the landing views          (no copy; transformers concatenates on the next forward)
-    forward(prompt[h*B:]) -> first token           only the uncached tokens are computed
+    a cache over the landing buffer                (no copy; reserved for the whole prompt plus the decode
+                                                   room, so the model appends in place: engines.hf.cache)
+    forward(prompt[h*B:]) -> first token           only the uncached tokens are computed (GQA attention
+                                                   without K/V expansion: engines.hf.cache)
     decode loop (one token per forward)            greedy, stops at EOS or max_new_tokens
     scatter the new full blocks -> store.write     blocks inside the shared prefix: Lifetime.PREFIX,
                                                    the rest: the request's lifetime (SESSION for chats)
@@ -34,7 +36,7 @@ import numpy as np
 import torch
 
 from kvport import metrics
-from kvport.engines.hf.layout import BlockLayout, cache_layers, dynamic_cache
+from kvport.engines.hf.layout import BlockLayout, cache_layers
 from kvport.engines.hf.port import BlockStore, Lifetime
 from kvport.errors import EngineError, KVPortError
 from kvport.keys import BlockKey, KeyContext, as_token_array, chain_keys
@@ -91,7 +93,10 @@ class HFEngine:
 
     def __init__(self, model: Any, spec: KVSpec, store: BlockStore | None = None, *,
                  key_ctx: KeyContext | None = None, eos_token_ids: Sequence[int] | None = None,
-                 planner: Planner | None = None, tier_name: str = "store") -> None:
+                 planner: Planner | None = None, tier_name: str = "store", gqa_attention: bool = True) -> None:
+        """``gqa_attention``: switch a CPU model on stock ``sdpa`` to kvport's grouped-query variant
+        (:func:`kvport.engines.hf.cache.use_gqa_attention`; same outputs, no K/V expansion under a mask).
+        It changes ``model`` itself, so every user of the model (a baseline too) runs the same kernels."""
         cfg = model.config.get_text_config(decoder=True)
         n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -116,6 +121,10 @@ class HFEngine:
             eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self._one = torch.zeros((1, 1), dtype=torch.long)
+        if gqa_attention:
+            from kvport.engines.hf.cache import use_gqa_attention
+
+            use_gqa_attention(model)
 
     @classmethod
     def from_model_dir(cls, model_dir: Path, store: BlockStore | None = None, **kw: Any) -> HFEngine:
@@ -163,23 +172,27 @@ class HFEngine:
             _FALLBACKS.labels(type(exc).__name__).inc()
             log.warning("prefix load failed, recomputing: %s", reason)
             return Loaded(0, None, reason)
-        return Loaded(hit, dynamic_cache(self.model.config, self.layout.gather_all(hit)))
+        self.layout.gather_all(hit)
+        return Loaded(hit, self.layout.cache(self.model.config, hit))
 
-    def prefill(self, prompt: Sequence[int] | np.ndarray) -> Prefill:
-        """Load the longest cached prefix, compute the rest, return the cache and the first token."""
+    def prefill(self, prompt: Sequence[int] | np.ndarray, room_tokens: int = 0) -> Prefill:
+        """Load the longest cached prefix, compute the rest, return the cache and the first token.
+
+        The cache lives in the engine's landing buffer (valid until the next ``prefill``), with room
+        for ``room_tokens`` more tokens to be appended in place (decoding past it still works: the
+        cache then grows by concatenation)."""
         t0 = time.perf_counter()
         ids = np.asarray(as_token_array(prompt), dtype=np.int64)
         if ids.size == 0:
             raise EngineError("empty prompt")
         bs = self.spec.block_size
+        self.layout.reserve(-(-(len(ids) + max(0, room_tokens)) // bs))  # before any gather: growing reallocates
         keys = self.keys(ids[: ((len(ids) - 1) // bs) * bs])
         loaded = self.load(keys, prompt_tokens=len(ids))
         hit, cache, fallback = loaded.blocks, loaded.cache, loaded.fallback
         start = hit * bs
         if cache is None:
-            from transformers import DynamicCache
-
-            cache = DynamicCache(config=self.model.config)
+            cache = self.layout.cache(self.model.config, 0)
         with torch.inference_mode():
             first = self._forward(torch.from_numpy(ids[start:]).unsqueeze(0), cache)
         _TOKENS.labels("loaded").inc(start)
@@ -228,7 +241,7 @@ class HFEngine:
         if max_new_tokens < 1:
             raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         t0 = time.perf_counter()
-        pf = self.prefill(prompt)
+        pf = self.prefill(prompt, room_tokens=max_new_tokens)
         ttft = time.perf_counter() - t0
         gen = self.decode(pf.cache, pf.first_token, max_new_tokens)
         stored, store_error = 0, None

@@ -108,6 +108,22 @@ class BlockLayout:
             self._landing_view(n_blocks).copy_(self._staging[:n_blocks].permute(1, 2, 3, 0, 4, 5))
         return [(self._landing[i, 0, :, :, :t], self._landing[i, 1, :, :, :t]) for i in range(self.spec.num_layers)]
 
+    def cache(self, config: Any, n_blocks: int) -> Any:
+        """A transformers cache over the landing buffer, its first ``n_blocks`` blocks valid (after
+        :meth:`gather_all`, or 0): the model appends the tokens it computes in place, into the room
+        the buffer has left (:meth:`reserve` for the whole prompt *before* gathering: growing
+        reallocates). See :mod:`kvport.engines.hf.cache`."""
+        from kvport.engines.hf.cache import room_cache
+
+        if n_blocks > self._cap:
+            raise BufferMismatchError(f"landing buffer holds {self._cap} blocks, asked for {n_blocks}")
+        bufs = [(self._landing[i, 0], self._landing[i, 1]) for i in range(self.spec.num_layers)] if self._cap else []
+        if not bufs:  # nothing reserved: a plain cache that grows by concatenation
+            from transformers import DynamicCache
+
+            return DynamicCache(config=config)
+        return room_cache(config, bufs, n_blocks * self.spec.block_size)
+
     # ------------------------------------------------------------------ cache -> blocks
     def scatter_from_cache(self, layers: list[tuple[torch.Tensor, torch.Tensor]], first_block: int,
                            n_blocks: int) -> torch.Tensor:

@@ -1,0 +1,92 @@
+"""The in-place cache and the GQA attention: appends land in the buffer, overflow and reorders fall
+back to concatenation, and the outputs stay those of stock transformers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvport.engines.hf import HFEngine
+from kvport.engines.hf.cache import ATTENTION, RoomLayer, use_gqa_attention
+from kvport.errors import EngineError
+from kvport.spec import DType, from_hf_config
+
+
+def test_room_layer_appends_in_place_then_concatenates_past_its_room() -> None:
+    kbuf, vbuf = torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4)
+    layer = RoomLayer(kbuf, vbuf, 3)
+    assert layer.get_seq_length() == 3
+    a, b = torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4)
+    k, v = layer.update(a, b)
+    assert k.shape[2] == 7 and k.data_ptr() == kbuf.data_ptr() and v.data_ptr() == vbuf.data_ptr()
+    assert torch.equal(kbuf[:, :, 3:7], a) and torch.equal(vbuf[:, :, 3:7], b)
+    c = torch.randn(1, 2, 2, 4)
+    k2, _ = layer.update(c, c)  # 9 > 8: a fresh, concatenated tensor; the buffer is left alone
+    assert k2.shape[2] == 9 and k2.data_ptr() != kbuf.data_ptr()
+    assert torch.equal(k2, torch.cat([kbuf[:, :, :7], c], dim=2))
+    k3, _ = layer.update(c[:, :, :1], c[:, :, :1])  # stays an ordinary growing layer from now on
+    assert k3.shape[2] == 10 and torch.equal(kbuf[:, :, 7:], torch.zeros(1, 2, 1, 4))
+
+
+def test_room_layer_falls_back_after_its_tensors_are_replaced() -> None:
+    kbuf, vbuf = torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4)
+    layer = RoomLayer(kbuf, vbuf, 2)
+    layer.batch_select_indices(torch.tensor([0]))  # a new tensor (beam search style reorder)
+    a = torch.randn(1, 2, 1, 4)
+    k, _ = layer.update(a, a)
+    assert k.shape[2] == 3 and k.data_ptr() != kbuf.data_ptr()
+    assert torch.equal(kbuf, torch.zeros_like(kbuf))  # never written behind a replaced tensor
+
+
+def test_room_layer_refuses_buffers_that_cannot_hold_the_tokens() -> None:
+    with pytest.raises(EngineError):
+        RoomLayer(torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 4), 5)
+    with pytest.raises(EngineError):
+        RoomLayer(torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 5, 4), 1)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir: Path) -> Iterator[object]:
+    from kvport.refmodel import load
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    m, _ = load(model_dir)
+    yield m
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_engine_cache_lives_in_the_landing_buffer_and_matches_stock_transformers(model: object,
+                                                                                 model_dir: Path) -> None:
+    prompt = np.random.default_rng(7).integers(10, 49_000, 70)
+    ids = torch.from_numpy(prompt).unsqueeze(0)
+    assert model.config._attn_implementation == "sdpa"  # type: ignore[attr-defined]
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,  # type: ignore[attr-defined]
+                         do_sample=False, min_new_tokens=12)[0, 70:].tolist()
+    eng = HFEngine(model, from_hf_config(model_dir, dtype=DType.FP32), None)
+    eng.eos = frozenset()
+    assert model.config._attn_implementation == ATTENTION  # type: ignore[attr-defined]
+    pf = eng.prefill(prompt, room_tokens=4)  # room for 4 of the 11 decode steps, then concatenation
+    k0 = pf.cache.layers[0].keys
+    assert k0.shape[2] == 70 and k0.data_ptr() == eng.layout._landing[0, 0].data_ptr()
+    assert eng.decode(pf.cache, pf.first_token, 12) == ref
+    assert pf.cache.layers[0].keys.shape[2] == 70 + 11
+
+
+@pytest.mark.slow
+def test_gqa_attention_only_replaces_stock_sdpa(model: object) -> None:
+    m = model
+    before = m.config._attn_implementation  # type: ignore[attr-defined]
+    try:
+        m.set_attn_implementation("eager")  # type: ignore[attr-defined]
+        assert use_gqa_attention(m) is False
+        assert m.config._attn_implementation == "eager"  # type: ignore[attr-defined]
+        m.set_attn_implementation("sdpa")  # type: ignore[attr-defined]
+        assert use_gqa_attention(m) is True and use_gqa_attention(m) is True
+    finally:
+        m.set_attn_implementation(before)  # type: ignore[attr-defined]

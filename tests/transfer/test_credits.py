@@ -4,7 +4,7 @@ import pytest
 
 from kvport.errors import BackpressureTimeout, ConfigError, ProtocolError
 from kvport.metrics import sample
-from kvport.transfer.credits import Admitted, Backpressure, CreditPool, CreditWindow, Rejected, wait_for
+from kvport.transfer.credits import Admitted, Backpressure, CreditPool, CreditWindow, Rejected, RejectReason, wait_for
 
 
 def test_window_never_sends_beyond_grant() -> None:
@@ -38,7 +38,8 @@ def test_watermark_hysteresis() -> None:
     assert isinstance(w.admission(), Admitted)
     w.consume(15)  # 85 in use > 80
     r = w.admission()
-    assert isinstance(r, Rejected) and r.retry_after_s > 0 and "high watermark" in r.reason
+    assert isinstance(r, Rejected) and r.reason is RejectReason.BUSY
+    assert r.retry_after_s is not None and r.retry_after_s > 0 and "high watermark" in r.detail
     w.on_grant(125)  # 60 in use: below high but above low -> still rejected (hysteresis)
     assert isinstance(w.admission(), Rejected)
     w.on_grant(140)  # 45 in use < 50

@@ -103,7 +103,7 @@ class PrefillWorker:
             if not isinstance(adm, Rejected):
                 break
             rejections += 1
-            time.sleep(adm.retry_after_s)
+            time.sleep(adm.retry_after_s if adm.retry_after_s is not None else 0.05)
         return rejections
 
     def _stream(self, h: Outgoing, rows: np.ndarray, n: int, errors: list[TransferError], busy: list[float]) -> None:

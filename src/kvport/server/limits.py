@@ -19,10 +19,10 @@ start a frame but trickle it (slow-loris).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from kvport.errors import ConfigError
+from kvport.transfer.credits import Rejected, RejectReason
 
 MiB = 1 << 20
 
@@ -53,18 +53,4 @@ class ServerLimits:
                 raise ConfigError(f"{name} must be positive")
 
 
-class RejectReason(enum.Enum):
-    BUSY = "busy"  # in-flight budget spent: retry soon
-    QUOTA = "quota"  # the tenant's quota is full of pinned/leased blocks
-    FULL = "full"  # the server is full of pinned/leased blocks
-    TOO_LARGE = "too_large"  # the value can never fit (over max_value_bytes or the quota)
-    SHUTTING_DOWN = "shutting_down"
-
-
-@dataclass(frozen=True, slots=True)
-class Rejected:
-    """A write the server refused; ``retry_after_s`` is None when retrying cannot help."""
-
-    reason: RejectReason
-    retry_after_s: float | None
-    detail: str = ""
+__all__ = ["RejectReason", "Rejected", "ServerLimits"]  # the refusal values are the transfer layer's

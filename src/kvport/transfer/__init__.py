@@ -7,12 +7,12 @@ Modules, bottom to top::
     framing      FrameIO (sync) and read_frame_async / write_frame_async: adapters that fill buffers
     tcp | shm | inproc | striped   transports; auth: HMAC handshake for non-loopback listeners
     meta         TransferMeta (TRANSFER_BEGIN map) and check_compatible
-    credits      Backpressure, CreditWindow (sender), CreditPool (receiver), Admitted / Rejected
+    credits      Backpressure, CreditWindow, CreditPool, Admitted / Rejected(RejectReason, retry_after, detail)
     destination  Destination protocol: BlockTable, LayerMajor, HostTier
     sender | receiver   the two ends of a transfer (layer-wise streaming, wait_for_layer)
 """
 
-from kvport.transfer.credits import Admitted, Backpressure, Rejected
+from kvport.transfer.credits import Admitted, Backpressure, Rejected, RejectReason
 from kvport.transfer.destination import (
     BlockTableDestination,
     Destination,
@@ -30,6 +30,6 @@ from kvport.transfer.wire import Flags, Limits, MsgType
 __all__ = [
     "Admitted", "Backpressure", "BlockTableDestination", "Destination", "DestinationFactory", "Flags",
     "HostTierDestination", "Incoming", "LayerMajorDestination", "Limits", "MsgType", "Outgoing", "RateLimited",
-    "Receiver", "Rejected", "Sender", "TokenBucket", "TransferMeta", "Transport", "check_compatible",
+    "Receiver", "RejectReason", "Rejected", "Sender", "TokenBucket", "TransferMeta", "Transport", "check_compatible",
     "host_tier_factory",
 ]

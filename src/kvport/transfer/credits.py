@@ -15,6 +15,7 @@ not enforce them (and then overflows or drops, which is what the benchmark shows
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from dataclasses import dataclass
@@ -49,10 +50,25 @@ class Admitted:
     available_bytes: int
 
 
+class RejectReason(enum.Enum):
+    """Why new work was refused (one set for the transfer sender and the kvport server)."""
+
+    BUSY = "busy"  # buffers or in-flight budget above the high watermark: retry soon
+    QUOTA = "quota"  # the tenant's quota is full of pinned/leased blocks
+    FULL = "full"  # the store is full of pinned/leased blocks
+    TOO_LARGE = "too_large"  # can never fit (over the value limit or the quota)
+    SHUTTING_DOWN = "shutting_down"
+    PEER_FAILED = "peer_failed"  # the connection is gone: reconnect before retrying
+
+
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    reason: str
-    retry_after_s: float
+    """Admission refused, as a value (not an exception): a scheduler stops admitting new prompts
+    and retries after ``retry_after_s`` (None when retrying cannot help)."""
+
+    reason: RejectReason
+    retry_after_s: float | None
+    detail: str = ""
 
 
 class CreditWindow:
@@ -123,8 +139,8 @@ class CreditWindow:
             excess = used - self.cfg.low_watermark * self.budget
             retry = excess / self._rate if self._rate > 0 else 0.05
             REJECTIONS.labels(reason="high_watermark").inc()
-            return Rejected(f"receiver buffers {used}/{self.budget} bytes in use (above the high watermark)",
-                            round(min(max(retry, 0.001), 10.0), 4))
+            return Rejected(RejectReason.BUSY, round(min(max(retry, 0.001), 10.0), 4),
+                            f"receiver buffers {used}/{self.budget} bytes in use (above the high watermark)")
 
 
 class CreditPool:

@@ -172,7 +172,7 @@ def overload(backpressure: bool, quick: bool = False, capacity_bps: float = 48e6
                 adm = tx.try_admit()
                 if isinstance(adm, Rejected):
                     waits += 1
-                    time.sleep(min(adm.retry_after_s, 0.01))
+                    time.sleep(min(adm.retry_after_s or 0.01, 0.01))
                     continue
             req = backlog.popleft()
             src.fill(req & 0xFF)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from kvport.errors import IllegalMoveError, PeerError, ProtocolError, TransferError
 from kvport.metrics import counter
-from kvport.transfer.credits import Admitted, Backpressure, CreditWindow, Rejected, wait_for
+from kvport.transfer.credits import Admitted, Backpressure, CreditWindow, Rejected, RejectReason, wait_for
 from kvport.transfer.framing import FrameIO
 from kvport.transfer.meta import TransferMeta, remote_error
 from kvport.transfer.transport import Buffer, Transport
@@ -167,7 +167,7 @@ class Sender:
     def try_admit(self) -> Admitted | Rejected:
         """May the scheduler start new work? Never blocks (watermarks with hysteresis)."""
         if self._dead is not None:
-            return Rejected(f"connection failed: {self._dead}", 1.0)
+            return Rejected(RejectReason.PEER_FAILED, 1.0, f"connection failed: {self._dead}")
         return self.window.admission()
 
     def begin(self, meta: TransferMeta, timeout_s: float | None = 30.0) -> Outgoing:

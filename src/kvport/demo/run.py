@@ -258,4 +258,5 @@ def main_cli(json_path: str | None, users: int, rounds: int, max_new_tokens: int
                   Path(json_path) if json_path else None)
     if not summary["outputs_equal_baseline"]:
         click.echo("kvport demo: outputs differ from the baseline or the run failed (see above)", err=True)
+        raise SystemExit(1)  # `make demo` must fail, not print a report that hides it
 

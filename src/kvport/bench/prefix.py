@@ -19,11 +19,12 @@ is broken down into lookup, block reads and the gather, and the load is compared
 the same bytes measured in the same run (``limits.memcpy_gbps``).
 
 What bounds the speedup here (profiled, 1 thread): the 128-token suffix forward over 1920 cached
-tokens is ~2x a 128-token forward without context; besides attention over the context it pays
-transformers' GQA expansion (``repeat_kv`` copies the whole K/V per layer whenever an attention mask
-is needed, which a suffix after a cache always needs and a full causal prefill does not) and
-``DynamicCache``'s concatenation per layer, ~20% of the hit TTFT together. kvport's part, reading
-and gathering 1920 tokens' blocks, is ``hit_breakdown_s``.
+tokens is the model's own work, the linear layers of 128 tokens (~45%) and attention of 128 queries
+over 2048 keys (~40%; a full causal prefill skips half of its attention, a suffix cannot). Stock
+transformers added ~20% on top, which the engine removes (:mod:`kvport.engines.hf.cache`): the
+``repeat_kv`` expansion of K/V under an attention mask, and ``DynamicCache``'s per-layer
+concatenation of the whole cache. kvport's part, reading and gathering 1920 tokens' blocks, is
+``hit_breakdown_s``.
 
 ``results.vllm`` is the same comparison through the vLLM connector when its harness is available;
 otherwise ``ttft_speedup`` is None with the reason.

@@ -33,7 +33,7 @@ from kvport import metrics
 from kvport.demo import messages
 from kvport.demo.calibrate import quick_profile
 from kvport.demo.quiet import quiet_transformers
-from kvport.engines.hf import HFEngine, StoreBlocks, dynamic_cache
+from kvport.engines.hf import HFEngine, StoreBlocks
 from kvport.errors import KVPortError, PeerError, TransferError
 from kvport.keys import chain_keys
 from kvport.planner import Action, Cached, Load, Planner, Request
@@ -122,7 +122,6 @@ class PrefillWorker:
             busy.append(time.perf_counter() - t0)
 
     def prefill(self, msg: dict[str, Any]) -> dict[str, Any]:
-        from transformers import DynamicCache
 
         rid, prompt = str(msg["rid"]), np.asarray(msg["prompt"], dtype=np.int64)
         n_tok, bs = len(prompt), self.spec.block_size
@@ -151,13 +150,14 @@ class PrefillWorker:
             try:
                 tl = time.perf_counter()
                 self.blocks.read_into(keys[:use], staging)
-                cache = dynamic_cache(self.eng.model.config, self.eng.layout.gather_all(use))
+                self.eng.layout.gather_all(use)
+                cache = self.eng.layout.cache(self.eng.model.config, use)  # the rest is appended in place
                 load_s = time.perf_counter() - tl
                 self.planner.observe_transfer(use * self.spec.bytes_per_block, load_s, SHARED, LinkKind.TIER)
             except KVPortError as exc:
                 use, cache, fallback = 0, None, f"{type(exc).__name__}: {exc}"
         if cache is None:
-            cache = DynamicCache(config=self.eng.model.config)
+            cache = self.eng.layout.cache(self.eng.model.config, 0)
         # stream: begin (compatibility check) before computing, layers as they finish
         sender = self._connected()
         errors: list[TransferError] = []

@@ -39,10 +39,12 @@ def nbytes(parts: Sequence[Buffer]) -> int:
 
 
 def as_byte_views(parts: Sequence[Buffer]) -> list[memoryview]:
+    """Flat unsigned-byte views of ``parts``, empty ones dropped (hot path: called per batch of chunks,
+    so a part that already is such a view is taken as it is)."""
     out: list[memoryview] = []
     for p in parts:
-        mv = memoryview(p)
-        if mv.ndim != 1 or mv.itemsize != 1 or mv.format != "B":
+        mv = p if type(p) is memoryview else memoryview(p)
+        if mv.format != "B" or mv.ndim != 1:
             mv = mv.cast("B")
         if mv.nbytes:
             out.append(mv)

@@ -47,6 +47,12 @@ def test_shapes_that_do_not_match_the_spec(spec: KVSpec) -> None:
         get_codec("mixed", calib="no-such-model")
     with pytest.raises(CodecParamsError):
         get_codec("mixed", group=12)  # K codes pack 8 tokens at a time: groups are multiples of 8
+    with pytest.raises(CodecParamsError):
+        get_codec("mixed", k_rope_theta=0.5)
+    with pytest.raises(CodecParamsError):
+        get_codec("mixed", v_rotate=1)  # a bool, not a truthy number
+    with pytest.raises(CodecParamsError):  # the Hadamard rotation needs a power-of-two head_dim
+        get_codec("mixed", v_rotate=True).encode(*kv(dim=48))
 
 
 @pytest.mark.parametrize("codec_id", ALL)
@@ -155,3 +161,22 @@ def test_mixed_class_map_is_validated_before_decoding(spec: KVSpec) -> None:
 def test_every_codec_error_is_a_codec_error() -> None:
     for exc in (UnknownCodecError, CodecParamsError, CorruptPayloadError):
         assert issubclass(exc, CodecError)
+
+
+def test_mixed_rotated_payload_is_validated_before_decoding() -> None:
+    """The rotations add no section: a rotated payload is checked like any other (size, bit table)
+    before the kernels or the inverse rotations write the destination."""
+    k, v = kv(tokens=200)
+    c = get_codec("mixed", k_rope_theta=100000.0, v_rotate=True)
+    enc = c.encode(k, v)
+    ko, vo = torch.full_like(k, 9.0), torch.full_like(v, 9.0)
+    with pytest.raises(CorruptPayloadError):
+        c.decode(enc.payload[:-8], ko, vo, shape=enc.shape)
+    payload = enc.payload.copy()
+    _, sec = c._sections(payload, enc.shape, c._counts(enc.shape))  # type: ignore[attr-defined]
+    sec["kbits"][1, 2, 3] = 1
+    with pytest.raises(CorruptPayloadError):
+        c.decode(payload, ko, vo, shape=enc.shape)
+    assert (ko == 9.0).all() and (vo == 9.0).all()
+    with pytest.raises(CodecParamsError):  # params differ from the encoder's: refused, not misdecoded
+        get_codec("mixed").decode(enc, ko, vo)

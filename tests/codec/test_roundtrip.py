@@ -183,3 +183,60 @@ def test_codec_identity_travels_as_msgpack_and_in_keys() -> None:
         ctx_keys.add(chain_keys(np.arange(16), KeyContext(block_size=16, codec_id=codec_key(c)))[0])
     assert len(ctx_keys) == len(codec_ids())
     assert codec_key(get_codec("kivi4", group=128)) != codec_key(get_codec("kivi4"))
+
+
+def _hadamard(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n ** 0.5
+
+
+def _unrope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Keys turned back by their rotary angle (half-split layout, positions 0.. along the tokens)."""
+    d = x.shape[-1]
+    ang = torch.arange(x.shape[-2], dtype=torch.float64)[:, None] * theta ** (-torch.arange(0, d, 2) / d)
+    cs, sn = ang.cos().float(), ang.sin().float()
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([a * cs + b * sn, b * cs - a * sn], -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mixed_rotations_are_exact_inverses_and_quantize_in_the_rotated_domain(dtype: torch.dtype) -> None:
+    """With both rotations on, the middle tokens' error is bounded by the quantizer's step *in the
+    rotated domain* (K before rotary embedding, V times the Hadamard matrix); the size is unchanged."""
+    k, v = kv(tokens=300, dtype=torch.float32)
+    params = {"sinks": 4, "recent": 0, "group": 32, "k_bits": 4, "calib": None, "k_rope_theta": 100000.0,
+              "v_rotate": True}
+    ko, vo, enc = _roundtrip("mixed", k.to(dtype), v.to(dtype), **params)
+    assert enc.nbytes == get_codec("mixed", **{**params, "k_rope_theta": None, "v_rotate": False}).encoded_size(
+        enc.shape)
+    codec = get_codec("mixed", **params)
+    _, sec = codec._sections(enc.payload, enc.shape, codec._counts(enc.shape))  # type: ignore[attr-defined]
+    levels = (2.0 ** torch.from_numpy(sec["kbits"].astype(np.int64)) - 1)[:, :, None, :]
+    kin, kr = _unrope(k[:, :, 4:].to(dtype).float(), 1e5), _unrope(ko[:, :, 4:].float(), 1e5)
+    slack = 2e-2 if dtype is not torch.float32 else 1e-3  # bf16/fp16 rounding of the input and output
+    for g0 in range(0, 296, 32):
+        sl = slice(g0, min(296, g0 + 32))
+        step = _row_range(kin[:, :, sl], (2,)) / levels
+        assert ((kr[:, :, sl] - kin[:, :, sl]).abs() <= step * 0.51 + kin[:, :, sl].abs() * slack + 1e-4).all()
+    h = _hadamard(64)
+    vin, vr = v[:, :, 4:].to(dtype).float() @ h, vo[:, :, 4:].float() @ h
+    step = _row_range(vin, (3,)) / 15
+    assert ((vr - vin).abs() <= step * 0.51 + vin.abs() * slack + 1e-4).all()
+    # the sinks are stored as int8 rows, unrotated
+    assert ((ko[:, :, :4].float() - k[:, :, :4].to(dtype).float()).abs() <= _row_range(k[:, :, :4], (3,)) / 255 * 1.01
+            + 2e-2).all()
+
+
+def test_mixed_rotations_travel_in_the_params() -> None:
+    k, v = kv(tokens=64)
+    c = get_codec("mixed", k_rope_theta=10000.0, v_rotate=True)
+    assert codec_from_dict(codec_to_dict(c)).params == c.params
+    assert codec_key(c) != codec_key(get_codec("mixed"))
+    enc = c.encode(k, v)
+    # the payload and its params are all a decoder needs: a fresh codec built from them decodes it equally
+    ko1, vo1, ko2, vo2 = (torch.empty_like(k) for _ in range(4))
+    c.decode(enc, ko1, vo1)
+    get_codec("mixed", **dict(enc.params)).decode(enc, ko2, vo2)
+    assert torch.equal(ko1, ko2) and torch.equal(vo1, vo2)

@@ -6,6 +6,16 @@ table); codes of one channel pack along tokens, 8 tokens per ``bits`` bytes. Sca
 
 V middle tokens: per (layer, token) a class (same codes) shared by the heads; a token's row goes to
 the section of its class at ``slot`` = its rank among the middle tokens of that class.
+
+Rotations (optional, exact inverses of each other up to fp32 rounding; the encoder writes the rotated
+middle tokens into an fp32 scratch that the quantizers read with ``t_off = 0``, the decoder
+dequantizes into such a scratch and rotates back into the destination):
+
+* K, ``rope_*``: each pair (d, d + D/2) of middle token t turned back by angle ``t * f_d`` (the
+  half-split rotary layout of Llama), i.e. keys as before rotary embedding up to one fixed rotation
+  per range: channels keep their scale over tokens, which per-channel quantization needs.
+* V, ``wht_*``: each row times the orthonormal Walsh-Hadamard matrix (Sylvester order): spreads
+  outlier channels over the row, so the per-token range, hence the 4-bit step, shrinks.
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from kvport.codec._kernels import affine, f16_bits, f16_value, kernel, load, row_range, to_out
+from kvport.codec._kernels import affine, f16_bits, f16_value, inline, kernel, load, row_range, to_out
 
 BITS = (4, 8, 2)  # bits of class 0, 1, 2
 
@@ -237,3 +247,103 @@ def vmid_decode(cls: Any, slot: Any, q8: Any, s8: Any, z8: Any, q4: Any, s4: Any
                         for u in range(4):
                             val = np.float32((byte >> np.uint8(2 * u)) & np.uint8(3))
                             out[li, h, t_off + t, 4 * j + u] = to_out(val * s + zf, like)
+
+
+@inline
+def _wht(y: Any, t8: Any) -> None:
+    """In place, unnormalized Walsh-Hadamard transform of a row of 8 * 2^k values: the 8-point
+    transform inside each chunk of 8 in registers, then butterflies across chunks, 8 lanes at a time."""
+    nd = y.shape[0]
+    for a in range(0, nd, 8):
+        a0, a1, a2, a3 = y[a], y[a + 1], y[a + 2], y[a + 3]
+        a4, a5, a6, a7 = y[a + 4], y[a + 5], y[a + 6], y[a + 7]
+        b0, b1, b2, b3 = a0 + a1, a0 - a1, a2 + a3, a2 - a3
+        b4, b5, b6, b7 = a4 + a5, a4 - a5, a6 + a7, a6 - a7
+        c0, c1, c2, c3 = b0 + b2, b1 + b3, b0 - b2, b1 - b3
+        c4, c5, c6, c7 = b4 + b6, b5 + b7, b4 - b6, b5 - b7
+        y[a], y[a + 1], y[a + 2], y[a + 3] = c0 + c4, c1 + c5, c2 + c6, c3 + c7
+        y[a + 4], y[a + 5], y[a + 6], y[a + 7] = c0 - c4, c1 - c5, c2 - c6, c3 - c7
+    h = 8
+    while h < nd:
+        for i in range(0, nd, 2 * h):
+            for j0 in range(i, i + h, 8):
+                for r in range(8):
+                    t8[r] = y[j0 + h + r]
+                for r in range(8):
+                    p = y[j0 + r]
+                    y[j0 + r] = p + t8[r]
+                    y[j0 + h + r] = p - t8[r]
+        h *= 2
+
+
+@kernel
+def wht_rows(x: Any, t_off: int, out: Any) -> None:
+    """out (L, H, M, D) fp32 = rows ``t_off..t_off+M-1`` of x times the orthonormal Hadamard matrix."""
+    nl, nh, nt, nd = out.shape
+    t8 = np.empty(8, np.float32)
+    sc = np.float32(1.0 / np.sqrt(nd))
+    for li in range(nl):
+        for h in range(nh):
+            for t in range(nt):
+                row = x[li, h, t_off + t]
+                y = out[li, h, t]
+                for d in range(nd):
+                    y[d] = load(row[d]) * sc
+                _wht(y, t8)
+
+
+@kernel
+def wht_rows_out(src: Any, out: Any, t_off: int) -> None:
+    """Inverse of :func:`wht_rows` (the matrix is its own inverse): rows of the fp32 scratch ``src``
+    (transformed in place) into rows ``t_off..`` of ``out``."""
+    nl, nh, nt, nd = src.shape
+    like = out[0, 0, 0, 0]  # callers never pass an empty destination
+    t8 = np.empty(8, np.float32)
+    sc = np.float32(1.0 / np.sqrt(nd))
+    for li in range(nl):
+        for h in range(nh):
+            for t in range(nt):
+                y = src[li, h, t]
+                _wht(y, t8)
+                dst = out[li, h, t_off + t]
+                for d in range(nd):
+                    dst[d] = to_out(y[d] * sc, like)
+
+
+@kernel
+def rope_rows(x: Any, t_off: int, cs: Any, sn: Any, out: Any) -> None:
+    """out (L, H, M, D) fp32 = rows ``t_off..`` of x with each pair (d, d + D/2) of token t turned
+    back by the angle whose cosine and sine are ``cs[t, d]``, ``sn[t, d]``."""
+    nl, nh, nt, nd = out.shape
+    hd = nd // 2
+    for li in range(nl):
+        for h in range(nh):
+            for t in range(nt):
+                row = x[li, h, t_off + t]
+                o = out[li, h, t]
+                c = cs[t]
+                s = sn[t]
+                for d in range(hd):
+                    o[d] = load(row[d]) * c[d] + load(row[d + hd]) * s[d]
+                for d in range(hd):
+                    o[d + hd] = load(row[d + hd]) * c[d] - load(row[d]) * s[d]
+
+
+@kernel
+def rope_rows_out(src: Any, cs: Any, sn: Any, out: Any, t_off: int) -> None:
+    """Inverse of :func:`rope_rows`: rows of the fp32 scratch ``src`` turned forward into rows
+    ``t_off..`` of ``out``."""
+    nl, nh, nt, nd = src.shape
+    hd = nd // 2
+    like = out[0, 0, 0, 0]  # callers never pass an empty destination
+    for li in range(nl):
+        for h in range(nh):
+            for t in range(nt):
+                r = src[li, h, t]
+                dst = out[li, h, t_off + t]
+                c = cs[t]
+                s = sn[t]
+                for d in range(hd):
+                    dst[d] = to_out(r[d] * c[d] - r[d + hd] * s[d], like)
+                for d in range(hd):
+                    dst[d + hd] = to_out(r[d + hd] * c[d] + r[d] * s[d], like)

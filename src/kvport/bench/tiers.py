@@ -6,8 +6,7 @@ holds them. Limits measured in the same run on the same bytes:
 
 * host tier  vs numpy memcpy (``np.copyto``) of the whole request into a reused buffer;
 * disk tier  vs raw write (the faster of one ``write`` and 4 MiB ``write``s) / cold ``readinto`` of
-  one file of the same bytes (posix_fadvise DONTNEED before every cold read, in the same folder;
-  ``sync`` before every timed write, so no write pays for an earlier one's dirty pages);
+  one file of the same bytes (posix_fadvise DONTNEED before every cold read, in the same folder);
 * redis tier vs raw redis-py pipelined SET/GET of the same block values, against a redis-server the
   suite starts on a free port (persistence off) or ``KVPORT_REDIS_URL``.
 
@@ -19,7 +18,6 @@ Extra options (``--set``): ``tokens=N``, ``dir=PATH`` (disk folder), ``trials=N`
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import socket
 import subprocess
@@ -139,13 +137,11 @@ def _disk(folder: Path, views: list[memoryview], keys: list[bytes], src: np.ndar
     times: dict[str, list[float]] = {"raw_w": [], "raw_w4": [], "raw_r": [], "w": [], "r": []}
     for _ in range(trials):
         raw.unlink(missing_ok=True)
-        os.sync()  # every timed write starts with no dirty pages: writeback throttling hits none of them
         t0 = time.perf_counter()
         with open(raw, "wb", buffering=0) as f:
             f.write(src.data)
         times["raw_w"].append(time.perf_counter() - t0)
         raw.unlink()
-        os.sync()
         t0 = time.perf_counter()
         with open(raw, "wb", buffering=0) as f:  # the same bytes in 4 MiB writes
             for off in range(0, n, _RAW_PIECE):
@@ -159,7 +155,6 @@ def _disk(folder: Path, views: list[memoryview], keys: list[bytes], src: np.ndar
         raw.unlink()
         for k in keys:
             tier.delete(k)
-        os.sync()
         t0 = time.perf_counter()
         tier.put_many(items)
         times["w"].append(time.perf_counter() - t0)

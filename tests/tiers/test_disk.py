@@ -116,3 +116,44 @@ def test_checksum_covers_the_key(tmp_path) -> None:  # type: ignore[no-untyped-d
     p.write_bytes(raw)
     t2 = DiskTier(tmp_path, 1 << 20)
     assert t2.get_many_into([(K1, bytearray(4)), (K2, bytearray(4))]) == [None, None]
+
+
+def test_two_instances_sharing_a_folder_see_each_others_writes_and_removals(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    a = DiskTier(tmp_path, 1 << 20)
+    b = DiskTier(tmp_path, 1 << 20, refresh_s=None)  # opened before a writes: only an explicit refresh
+    a.put_many([(b"k" * 16, b"x" * 100), (b"j" * 16, b"y" * 50)])
+    assert not b.contains(b"k" * 16)
+    assert b.refresh() == 2 and b.refresh() == 0  # the second scan is one stat: nothing moved
+    out = bytearray(100)
+    assert b.get_into(b"k" * 16, out) == 100 and bytes(out) == b"x" * 100
+    a.delete(b"k" * 16)
+    a.delete(b"j" * 16)  # the slab is empty now: a unlinks it
+    b.refresh()
+    assert not b.contains(b"j" * 16) and b.used_bytes == 0
+    with pytest.raises(BlockNotFoundError):
+        b.get_into(b"j" * 16, bytearray(50))
+
+
+def test_a_miss_rescans_by_itself_and_nothing_is_indexed_twice(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    a = DiskTier(tmp_path, 1 << 20)
+    b = DiskTier(tmp_path, 1 << 20, refresh_s=0.0)
+    a.put(b"k" * 16, b"z" * 64)
+    assert b.contains(b"k" * 16)  # the miss rescanned the folder
+    b.put(b"m" * 16, b"w" * 32)
+    assert b.refresh() == 0  # its own slab was indexed by put, not taken for a stranger's
+    assert b.used_bytes == 96 and sorted(b.keys()) == [b"k" * 16, b"m" * 16]
+
+
+def test_temporary_files_of_live_writers_survive_another_open(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    DiskTier(tmp_path, 1 << 20)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    live = tmp_path / "tmp" / f"{os.getpid():x}-abc-1-00.kvs"
+    gone = tmp_path / "tmp" / f"{int(dead.stdout):x}-abc-1-00.kvs"
+    live.write_bytes(b"partial")
+    gone.write_bytes(b"partial")
+    DiskTier(tmp_path, 1 << 20)
+    assert live.exists() and not gone.exists()

@@ -2,7 +2,7 @@
 
 A ``put_many`` writes its whole batch (typically one request's blocks) as one slab, so reading the
 request back cold is one sequential read of one file, as fast as raw file I/O; ``put`` writes a
-slab of one. Slab ``<dir>/<id>.kvs``::
+slab of one. Slab ``<dir>/<pid>-<instance>-<seq>-<random>.kvs`` (the writer is in the name)::
 
     offset        size     field
     0             8        magic b"KVPSLAB1"
@@ -17,9 +17,15 @@ bytes. A slab is written to ``<dir>/tmp/`` and renamed into place (all or nothin
 fsyncs the file and the folder first). ENOSPC (or going over ``capacity_bytes``) is TierFullError
 and the temporary file is removed. Deleting a block sets its deleted flag in place; a slab whose
 blocks are all deleted is unlinked. (A flag lost in a crash only brings back a valid block.)
-On start, temporary files are deleted and every entry that is not deleted and lies inside its
-file is indexed; reads verify length and checksum, and a mismatch marks the entry deleted and
-raises CorruptBlockError (the next get is a clean miss).
+On start, temporary files of processes that are gone are deleted and every entry that is not deleted
+and lies inside its file is indexed; reads verify length and checksum, and a mismatch marks the
+entry deleted and raises CorruptBlockError (the next get is a clean miss).
+
+Several processes may share one folder (engines on one host sharing a local disk cache): slabs are
+immutable once renamed in, so :meth:`DiskTier.refresh` indexes the slabs others wrote since the last
+scan and forgets blocks whose slab another process removed. It runs by itself on a miss, at most
+once per ``refresh_s`` and only when the folder's mtime moved (one ``stat``). Each process charges
+its capacity with the blocks it knows.
 
 Hot paths (measured by ``kvport bench tiers`` against raw write / cold ``readinto`` of the same
 bytes): payloads are hashed and written in 1 MiB pieces while each piece is in cache; a batched
@@ -36,6 +42,7 @@ import itertools
 import os
 import struct
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +83,9 @@ def _digest(key: bytes, payload: memoryview) -> int:
 
 class DiskTier(Tier):
     def __init__(self, dir: str | Path, capacity_bytes: int, *, fsync: bool = False, name: str = "disk",
-                 max_value_bytes: int = 1 << 30) -> None:
+                 max_value_bytes: int = 1 << 30, refresh_s: float | None = 1.0) -> None:
+        """``refresh_s``: how often a miss may rescan the folder for other processes' slabs
+        (None: never by itself; :meth:`refresh` still works)."""
         self.name = name
         self.dir = Path(dir)
         self.fsync = fsync
@@ -88,6 +97,10 @@ class DiskTier(Tier):
         self._used = 0
         self._seq = itertools.count()
         self._lock = threading.Lock()
+        self.refresh_s = refresh_s
+        self._scanned_ns = -1  # folder mtime at the last scan
+        self._prefix = f"{os.getpid():x}-{os.urandom(3).hex()}-"  # names this instance's slabs
+        self._next_refresh = 0.0
         try:
             self._tmp.mkdir(parents=True, exist_ok=True)
             self._rebuild()
@@ -111,20 +124,60 @@ class DiskTier(Tier):
 
     def _rebuild(self) -> None:
         for f in self._tmp.iterdir():
-            with contextlib.suppress(OSError):
-                f.unlink()
-        for f in sorted(self.dir.glob("*" + _SUFFIX)):
-            slab = f.name[: -len(_SUFFIX)]
-            locs = _read_table(f)
-            for loc in locs:
+            if not _writer_alive(f.name):  # another live process may be writing it right now
+                with contextlib.suppress(OSError):
+                    f.unlink()
+        with self._lock:
+            self._scan(own=True)
+
+    def _scan(self, own: bool = False) -> int:
+        """Index slabs not seen yet, forget those gone; under the lock. Returns blocks added.
+        ``own=False`` skips slabs named by this instance: :meth:`put_many` indexes those itself, and
+        one renamed in but not yet indexed must not be taken for another process's."""
+        self._scanned_ns = self.dir.stat().st_mtime_ns  # before listing: a slab renamed in later moves it again
+        present = {f.name[: -len(_SUFFIX)]: f for f in self.dir.glob("*" + _SUFFIX)}
+        gone = [slab for slab in self._live if slab not in present]
+        if gone:
+            dead = set(gone)
+            for key in [k for k, loc in self._index.items() if loc.slab in dead]:
+                self._used -= self._index.pop(key).length
+            for slab in gone:
+                self._live.pop(slab, None)
+        added = 0
+        for slab in sorted(present.keys() - self._live.keys()):
+            if not own and slab.startswith(self._prefix):
+                continue
+            for loc in _read_table(present[slab]):
                 if loc.key in self._index:
                     continue  # the same block in two slabs (a crash between write and retire)
                 self._index[loc.key] = _Loc(slab, loc.index, loc.offset, loc.length, loc.digest)
                 self._live[slab] = self._live.get(slab, 0) + 1
                 self._used += loc.length
+                added += 1
             if not self._live.get(slab):
                 with contextlib.suppress(OSError):
-                    f.unlink()
+                    present[slab].unlink()  # nothing live in it (all deleted, or not a slab at all)
+        return added
+
+    def refresh(self) -> int:
+        """Pick up what other processes sharing the folder wrote or removed; returns blocks added."""
+        try:
+            with self._lock:
+                if self.dir.stat().st_mtime_ns == self._scanned_ns:
+                    return 0
+                return self._scan()
+        except OSError as exc:
+            raise TierError(f"{self.name}: cannot rescan {self.dir}: {exc}") from exc
+
+    def _refresh_on_miss(self) -> bool:
+        """A throttled :meth:`refresh` after a miss; True if it indexed anything."""
+        if self.refresh_s is None:
+            return False
+        now = time.monotonic()
+        if now < self._next_refresh:
+            return False
+        self._next_refresh = now + self.refresh_s
+        return self.refresh() > 0
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -161,7 +214,7 @@ class DiskTier(Tier):
             freed = sum(self._index[k].length for k in keys if k in self._index)
             if self._used - freed + total > self._capacity:
                 raise TierFullError(f"{self.name}: {total} more bytes would exceed capacity {self._capacity}")
-        slab = f"{os.getpid():x}-{next(self._seq):x}-{os.urandom(4).hex()}"
+        slab = f"{self._prefix}{next(self._seq):x}-{os.urandom(4).hex()}"
         tmp = self._tmp / (slab + _SUFFIX)
         table_end = HEAD_BYTES + ENTRY_BYTES * len(keys)
         locs: list[_Loc] = []
@@ -231,6 +284,8 @@ class DiskTier(Tier):
     # ------------------------------------------------------------------ reads
     def get_into(self, key: bytes, dst: Buffer) -> int:
         loc = self._index.get(key)
+        if loc is None and self._refresh_on_miss():
+            loc = self._index.get(key)
         if loc is None:
             raise BlockNotFoundError(f"{self.name}: no block {key.hex()}")
         out = writable_view(dst, loc.length)
@@ -309,10 +364,12 @@ class DiskTier(Tier):
     # ------------------------------------------------------------------ metadata
     def size_of(self, key: bytes) -> int | None:
         loc = self._index.get(key)
+        if loc is None and self._refresh_on_miss():
+            loc = self._index.get(key)
         return None if loc is None else loc.length
 
     def contains(self, key: bytes) -> bool:
-        return key in self._index
+        return key in self._index or (self._refresh_on_miss() and key in self._index)
 
     def keys(self) -> Iterator[bytes]:
         with self._lock:
@@ -331,6 +388,25 @@ class _Entry:
     offset: int
     length: int
     digest: int
+
+
+def _writer_alive(name: str) -> bool | None:
+    """Whether the process that named a slab or temporary file (``<pid hex>-...``) still runs; None
+    when the name carries no pid."""
+    head = name.split("-", 1)[0]
+    try:
+        pid = int(head, 16)
+    except ValueError:
+        return None
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
 
 
 def _read_table(path: Path) -> list[_Entry]:

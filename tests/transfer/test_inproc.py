@@ -67,6 +67,18 @@ def test_transport_scatter_gather(kind: str) -> None:
     b.close()
 
 
+def test_shm_readable_with_no_time_left_still_polls_the_control_channel() -> None:
+    a, b = shm.pair(1 << 12, 4)
+    assert not b.readable(0.0)
+    a.send([b"hello"])  # announced on the control socket when send returns
+    assert b.readable(0.0)
+    out = bytearray(5)
+    b.recv_into([memoryview(out)])
+    assert out == b"hello"
+    a.close()
+    b.close()
+
+
 def test_shm_sender_is_woken_while_another_thread_reads_the_control_channel() -> None:
     """The sending thread (waiting for ring space) and a reader thread (waiting for frames, like the
     Sender's) share one control socket: ring space freed by the peer must wake the sender at once,

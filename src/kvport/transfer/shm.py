@@ -239,18 +239,20 @@ class ShmTransport:
         progress the other has already seen (a lock held across ``select`` did exactly that: up to
         one select timeout per ring turn)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        looked = False  # even with no time left, look at the control socket once (a poll)
         while True:
             with self._cv:
                 while True:
                     if ready():
                         return True
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    if left == 0.0 and (looked or self._pumping):
                         return False
                     if not self._pumping:
                         break
                     self._cv.wait(0.05 if left is None else min(0.05, left))
                 self._pumping = True
+                looked = True
             try:
                 self._pump(0.05 if left is None else min(0.05, left))
             finally:

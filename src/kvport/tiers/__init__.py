@@ -2,15 +2,17 @@
 
 Public API: :class:`Tier`, :class:`TierCaps` (:mod:`kvport.tiers.base`), :class:`HostTier`,
 :class:`DiskTier`, :class:`RedisTier`, :class:`DeviceTier` (only usable when CUDA exists),
-:class:`FaultTier` (wraps a tier and injects faults, for tests and chaos runs).
+:class:`FaultTier` (wraps a tier and injects faults, for tests and chaos runs), :class:`CodecTier`
+(wraps a tier and keeps its blocks codec-encoded: the per-tier codec).
 """
 
 from kvport.tiers.base import Buffer, Tier, TierCaps, byte_view, writable_view
+from kvport.tiers.codec_tier import CodecTier
 from kvport.tiers.device import DeviceTier
 from kvport.tiers.disk import DiskTier
 from kvport.tiers.faults import FaultTier
 from kvport.tiers.host import HostTier
 from kvport.tiers.redis_tier import RedisTier
 
-__all__ = ["Buffer", "DeviceTier", "DiskTier", "FaultTier", "HostTier", "RedisTier", "Tier", "TierCaps",
+__all__ = ["Buffer", "CodecTier", "DeviceTier", "DiskTier", "FaultTier", "HostTier", "RedisTier", "Tier", "TierCaps",
            "byte_view", "writable_view"]

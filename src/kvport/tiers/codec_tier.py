@@ -1,0 +1,115 @@
+"""CodecTier: a tier that keeps blocks codec-encoded (the store's per-tier codec choice).
+
+Wraps any tier; the store sees canonical LKHTD blocks of ``spec.bytes_per_block`` bytes, the inner
+tier holds self-describing frames (:func:`kvport.codec.encode_block`: codec id and params, shape,
+payload checksum)::
+
+    TieredStore([HostTier(...),                                   # hot: raw, zero-copy reads
+                 CodecTier(DiskTier(...), get_codec("int8"), spec)])  # cold: 1.9x more blocks
+
+* ``put`` encodes into a reused buffer and puts the frame; ``get_into`` reads the frame and decodes it
+  straight into the caller's buffer, after every check of :func:`kvport.codec.decode_block`. A frame
+  that fails them (bit rot, truncation, a frame of another spec) is dropped and reported as
+  :class:`CorruptBlockError`, so the next get is a clean miss: never wrong data. Frames of another
+  codec decode too (they describe themselves), so changing a persistent tier's codec keeps its blocks.
+* ``charge`` is the frame's size: the store's byte budget for the tier counts what it really holds,
+  so a tier with a 2x codec holds twice the blocks.
+* Lossy codecs change the values (int8, kivi4, mixed): a block read back is the codec's
+  approximation, as measured by ``kvport eval quality``; ``lossless`` is exact.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from kvport.codec import Codec, decode_block, encode_block, max_frame_size
+from kvport.errors import BlockNotFoundError, BufferMismatchError, CodecError, CorruptBlockError
+from kvport.spec import KVSpec
+from kvport.tiers.base import Buffer, Tier, TierCaps, byte_view, writable_view
+
+
+class CodecTier(Tier):
+    def __init__(self, inner: Tier, codec: Codec, spec: KVSpec, *, name: str | None = None) -> None:
+        self.inner, self.codec, self.spec = inner, codec, spec
+        self.name = name or inner.name
+        self.block_bytes = spec.bytes_per_block
+        self.frame_bytes = max_frame_size(codec, spec)
+        if self.frame_bytes > inner.caps.max_value_bytes:
+            raise BufferMismatchError(f"{self.name}: a {codec.codec_id} frame of {self.frame_bytes} bytes exceeds "
+                                      f"the inner tier's max value")
+        c = inner.caps
+        self.caps = TierCaps(persistent=c.persistent, shared=c.shared, zero_copy_read=False,
+                             max_value_bytes=self.block_bytes, native_ttl=c.native_ttl, device=c.device)
+        self._enc = np.empty(self.frame_bytes, np.uint8)  # reused: encode and decode stage through it
+        self._lock = threading.Lock()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.inner.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.inner.used_bytes
+
+    def charge(self, nbytes: int) -> int:
+        return self.inner.charge(self.frame_bytes)
+
+    def _block(self, data: Buffer) -> memoryview:
+        mv = byte_view(data)
+        if mv.nbytes != self.block_bytes:
+            raise BufferMismatchError(f"{self.name}: a value here is one {self.block_bytes}-byte block, "
+                                      f"got {mv.nbytes} bytes")
+        return mv
+
+    def put(self, key: bytes, data: Buffer, *, ttl_s: float | None = None) -> None:
+        src = self._block(data)
+        with self._lock:
+            self.inner.put(key, encode_block(self.codec, self.spec, src, out=self._enc), ttl_s=ttl_s)
+
+    def put_many(self, items: Sequence[tuple[bytes, Buffer]], *, ttl_s: float | None = None) -> None:
+        frames = [(k, bytes(encode_block(self.codec, self.spec, self._block(d)))) for k, d in items]
+        self.inner.put_many(frames, ttl_s=ttl_s)
+
+    def get_into(self, key: bytes, dst: Buffer) -> int:
+        out = writable_view(dst, self.block_bytes)
+        with self._lock:
+            buf = self._enc
+            size = self.inner.size_of(key)
+            if size is not None and self.frame_bytes < size <= 2 * self.block_bytes + (1 << 16):
+                buf = np.empty(size, np.uint8)  # a frame another codec wrote (the tier's codec was changed)
+            try:
+                n = self.inner.get_into(key, buf)
+            except BufferMismatchError as exc:
+                self.inner.delete(key)
+                raise CorruptBlockError(f"{self.name}: block {key.hex()} is no frame of this spec; dropped") from exc
+            try:
+                decode_block(buf[:n], self.spec, out[: self.block_bytes])
+            except CodecError as exc:
+                self.inner.delete(key)
+                raise CorruptBlockError(f"{self.name}: block {key.hex()} does not decode ({exc}); dropped") from exc
+        return self.block_bytes
+
+    def size_of(self, key: bytes) -> int | None:
+        return None if self.inner.size_of(key) is None else self.block_bytes
+
+    def contains(self, key: bytes) -> bool:
+        return self.inner.contains(key)
+
+    def delete(self, key: bytes) -> bool:
+        return self.inner.delete(key)
+
+    def keys(self) -> Iterator[bytes]:
+        return self.inner.keys()
+
+    def get(self, key: bytes) -> bytes:
+        if not self.inner.contains(key):
+            raise BlockNotFoundError(f"{self.name}: no block {key.hex()}")
+        buf = bytearray(self.block_bytes)
+        self.get_into(key, buf)
+        return bytes(buf)
+
+    def close(self) -> None:
+        self.inner.close()

@@ -10,10 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvport.codec import get_codec
 from kvport.errors import (
     AuthError,
     BackpressureTimeout,
     ChecksumError,
+    CodecParamsError,
     ConfigError,
     IncompatibleSpecError,
     PeerError,
@@ -208,6 +210,39 @@ class _Corrupting:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def _kv_source() -> np.ndarray:
+    """KV-like fp16 values (codecs quantize real numbers; random bytes hold NaNs)."""
+    x = np.random.default_rng(5).standard_normal((N, SPEC.bytes_per_block // 2)).astype(np.float16)
+    return x.view(np.uint8)
+
+
+def test_int8_link_sends_half_the_bytes_and_decodes_into_the_block_table() -> None:
+    dst = np.zeros((N, SPEC.bytes_per_block), dtype=np.uint8)
+    s, rx = _run("tcp", lambda m: BlockTableDestination(dst, range(N), m), {"codec": get_codec("int8")},
+                 codecs=("raw", "int8"))
+    src = _kv_source()
+    h = s.send(TransferMeta(SPEC, "int8", peers.keys()), _views(src))
+    assert h.state.value == "committed" and h.meta.codec_id == "int8"
+    assert h.sent_bytes < 0.6 * N * SPEC.bytes_per_block  # what crossed the link
+    got, ref = dst.view(np.float16).astype(np.float32), src.view(np.float16).astype(np.float32)
+    assert not np.array_equal(got, ref) and np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+    s.close()
+    rx.close()
+
+
+def test_codec_link_refused_by_a_raw_only_receiver_and_variable_size_codecs_rejected() -> None:
+    dst = np.zeros((N, SPEC.bytes_per_block), dtype=np.uint8)
+    s, rx = _run("inproc", lambda m: BlockTableDestination(dst, range(N), m), {"codec": get_codec("int8")})
+    with pytest.raises(IncompatibleSpecError, match="codec"):
+        s.send(TransferMeta(SPEC, "refused", peers.keys()), _views(_kv_source()))
+    assert not dst.any()
+    s.close()
+    rx.close()
+    a, _b = inproc.pair()
+    with pytest.raises(CodecParamsError, match="fixed encoded size"):
+        Sender(a, codec=get_codec("lossless")).begin(TransferMeta(SPEC, "lossless", peers.keys()))
 
 
 def test_checksum_failure_links_nothing_and_connection_survives() -> None:

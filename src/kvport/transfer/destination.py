@@ -35,7 +35,8 @@ if TYPE_CHECKING:  # types only: the tier is used through reserve / commit / abo
 @runtime_checkable
 class Destination(Protocol):
     def view(self, block: int, layer: int) -> memoryview:
-        """Writable view of exactly ``block_layer_bytes`` for block ``block`` (index in the transfer)."""
+        """Writable view of exactly ``spec.bytes_per_layer_block`` (the decoded block-layer) for block
+        ``block`` (index in the transfer)."""
 
     def commit(self) -> None:
         """Link every block (all chunks verified)."""
@@ -84,7 +85,7 @@ class BlockTableDestination(_Lifecycle):
         self.meta = meta
         self.slots = list(slots)
         self.stride = meta.spec.bytes_per_block
-        self.lb = meta.block_layer_bytes
+        self.lb = meta.spec.bytes_per_layer_block  # decoded size (== the chunk on raw links)
         if len(self.slots) != meta.n_blocks:
             raise BufferMismatchError(f"{len(self.slots)} slots for {meta.n_blocks} blocks")
         if self.slots and (max(self.slots) + 1) * self.stride > self.mv.nbytes:
@@ -108,7 +109,7 @@ class LayerMajorDestination(_Lifecycle):
         super().__init__()
         self.layers = [_flat(b) for b in layers]
         self.slots = list(slots)
-        self.lb = meta.block_layer_bytes
+        self.lb = meta.spec.bytes_per_layer_block  # decoded size (== the chunk on raw links)
         if len(self.layers) != meta.spec.num_layers:
             raise BufferMismatchError(f"{len(self.layers)} layer buffers for {meta.spec.num_layers} layers")
         if self.slots and any((max(self.slots) + 1) * self.lb > b.nbytes for b in self.layers):
@@ -134,7 +135,7 @@ class HostTierDestination(_Lifecycle):
         super().__init__()
         self.tier = tier
         self.meta = meta
-        self.lb = meta.block_layer_bytes
+        self.lb = meta.spec.bytes_per_layer_block  # decoded size (== the chunk on raw links)
         self.lo = meta.layers.start
         self.block_bytes = len(meta.layers) * self.lb
         self._pages: dict[int, memoryview] = {}

@@ -82,7 +82,7 @@ class _PoolDest:
     def __init__(self, pool: _Pool, meta: TransferMeta) -> None:
         self.pool, self.meta = pool, meta
         self.pages: dict[int, int] = {}
-        self.lb = meta.block_layer_bytes
+        self.lb = meta.spec.bytes_per_layer_block  # decoded size (== the chunk on raw links)
 
     def view(self, block: int, layer: int) -> memoryview:
         page = self.pages.get(block)

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from kvport.errors import (
     BufferMismatchError,
     ChecksumError,
+    CodecError,
     IllegalMoveError,
     KVPortError,
     PeerError,
@@ -38,6 +39,7 @@ from kvport.spec import KVSpec
 from kvport.transfer.credits import Backpressure, CreditPool
 from kvport.transfer.destination import Destination, DestinationFactory
 from kvport.transfer.framing import FrameIO
+from kvport.transfer.linkcodec import LinkCodec
 from kvport.transfer.meta import TransferMeta, check_compatible
 from kvport.transfer.sender import OUTCOMES
 from kvport.transfer.transport import Transport
@@ -67,6 +69,7 @@ class Incoming:
         self._cond = threading.Condition()
         self.t_begin = time.monotonic()
         self.t_done: float | None = None
+        self.link: LinkCodec | None = None  # the link's codec (None: raw block-layers)
 
     def _finish(self, to: InState, error: TransferError | None = None) -> bool:
         with self._cond:
@@ -134,6 +137,7 @@ class Receiver:
         self.error: TransferError | None = None
         self.refusals: list[KVPortError] = []  # every refused TRANSFER_BEGIN, newest last
         self._scratch = memoryview(bytearray(1 << 20))
+        self._enc = memoryview(bytearray(0))  # encoded chunks of one LAYER frame (codec links), reused
         self._wlock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.closed = threading.Event()
@@ -223,6 +227,8 @@ class Receiver:
         try:
             meta = TransferMeta.from_wire(dict(m))
             check_compatible(self.spec, meta, self.codecs)
+            link = None if meta.codec_id == "raw" else LinkCodec.for_peer(meta.codec_id, meta.codec_params,
+                                                                          self.spec, meta.block_layer_bytes)
             if meta.block_layer_bytes > self.pool.budget:
                 raise TierFullError(f"one block-layer ({meta.block_layer_bytes} B) exceeds the budget "
                                     f"({self.pool.budget} B)")
@@ -235,6 +241,7 @@ class Receiver:
                 raise
             return
         inc = Incoming(tid, meta, dest)
+        inc.link = link
         self.current = inc
         self.incoming.put(inc)
         self._send(MsgType.TRANSFER_ACCEPT, {"tid": tid, "budget": self.pool.budget,
@@ -259,27 +266,53 @@ class Receiver:
         cur.bytes_held += hdr.payload_len
         views: list[memoryview] = []
         lost: list[int] = []
-        for i in range(b0, b0 + hdr.n_chunks):
-            try:
-                views.append(cur.dest.view(i, layer))
-            except TierFullError:
-                lost.append(i)
-                views.append(self._scratch[: meta.block_layer_bytes] if meta.block_layer_bytes <= 1 << 20
-                             else memoryview(bytearray(meta.block_layer_bytes)))
-        bad = self.io.read_payload_into(hdr, views)
+        if cur.link is not None:  # encoded chunks land in a scratch buffer, decoded once verified
+            bad, lost = self._read_encoded(cur, cur.link, hdr, layer, b0)
+        else:
+            for i in range(b0, b0 + hdr.n_chunks):
+                try:
+                    views.append(cur.dest.view(i, layer))
+                except TierFullError:
+                    lost.append(i)
+                    views.append(self._scratch[: meta.block_layer_bytes] if meta.block_layer_bytes <= 1 << 20
+                                 else memoryview(bytearray(meta.block_layer_bytes)))
+            bad = self.io.read_payload_into(hdr, views)
         RECV_BYTES.labels(transport=self.t.name).inc(hdr.payload_len)
         if lost:
             LOST_BLOCKS.inc(len(lost))
             cur.lost_blocks.update(lost)
         bad = [i for i in bad if b0 + i not in lost]
         if bad:
+            what = "checksum" if cur.link is None else "checksum or did not decode"
             self._abort(cur, ChecksumError(f"transfer {cur.tid}: layer {layer} blocks "
-                                           f"{[b0 + i for i in bad]} failed their checksum"))
+                                           f"{[b0 + i for i in bad]} failed their {what}"))
             return
         cur._arrived(layer, hdr.n_chunks)
         if self.auto_release:
             cur.bytes_held -= hdr.payload_len
             self.release(hdr.payload_len)
+
+    def _read_encoded(self, cur: Incoming, link: LinkCodec, hdr: FrameHeader, layer: int,
+                      b0: int) -> tuple[list[int], list[int]]:
+        """Receive a codec link's LAYER payload, then decode every chunk that passed its checksum into
+        the destination. Returns (chunks that failed a check or did not decode, blocks lost)."""
+        cb, n = hdr.chunk_size, hdr.n_chunks
+        if self._enc.nbytes < n * cb:  # payload_len was capped by decode_header
+            self._enc = memoryview(bytearray(n * cb))
+        views = [self._enc[j * cb : (j + 1) * cb] for j in range(n)]
+        bad = self.io.read_payload_into(hdr, views)
+        lost: list[int] = []
+        skip = set(bad)
+        for j in range(n):
+            if j in skip:
+                continue
+            try:
+                link.decode_into(views[j], cur.dest.view(b0 + j, layer))
+            except TierFullError:
+                lost.append(b0 + j)
+            except CodecError:
+                bad.append(j)
+        return bad, lost
 
     def _on_end(self, m: dict[str, object]) -> None:
         cur = self._cur(m)

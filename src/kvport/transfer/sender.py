@@ -15,6 +15,7 @@ transfer owner; COMMITTED hands them to the receiver's owner, any failure gives 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import queue
@@ -23,15 +24,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvport.errors import IllegalMoveError, PeerError, ProtocolError, TransferError
+import numpy as np
+
+from kvport.errors import CodecError, IllegalMoveError, PeerError, ProtocolError, TransferError
 from kvport.metrics import counter
 from kvport.transfer.credits import Admitted, Backpressure, CreditWindow, Rejected, RejectReason, wait_for
 from kvport.transfer.framing import FrameIO
+from kvport.transfer.linkcodec import LinkCodec
 from kvport.transfer.meta import TransferMeta, remote_error
 from kvport.transfer.transport import Buffer, Transport
 from kvport.transfer.wire import DEFAULT_LIMITS, Limits, MsgType
 
 if TYPE_CHECKING:  # types only: the ledger is used through its methods
+    from kvport.codec import Codec
     from kvport.ledger import Ledger, Owner
 
 SENT_BYTES = counter("transfer_sent_bytes_total", "KV payload bytes sent", ["transport"])
@@ -64,6 +69,7 @@ class Outgoing:
     ledger_tid: str | None = None
     sent_bytes: int = 0
     layers_sent: set[int] = field(default_factory=set)
+    link: LinkCodec | None = None  # the link's codec: block-layers are encoded before they go out
 
     def _move(self, to: OutState) -> None:
         if to not in _ALLOWED[self.state]:
@@ -79,9 +85,10 @@ class Sender:
     def __init__(self, transport: Transport, bp: Backpressure | None = None, limits: Limits = DEFAULT_LIMITS,
                  ledger: Ledger | None = None, owner: Owner | None = None, peer: Owner | None = None,
                  credit_timeout_s: float | None = 30.0, max_frame_bytes: int = 32 << 20,
-                 batch_bytes: int | None = None) -> None:
+                 batch_bytes: int | None = None, codec: Codec | None = None) -> None:
         """``batch_bytes``: payload per transport write (small: hashed while in cache, for sockets;
-        a whole frame for shared memory, where each write is a hand-off to the peer)."""
+        a whole frame for shared memory, where each write is a hand-off to the peer).
+        ``codec``: this link's codec (:mod:`kvport.transfer.linkcodec`); raw when None."""
         self.t = transport
         self.io = FrameIO(transport, limits, batch_bytes)
         self.bp = bp or Backpressure()
@@ -91,6 +98,8 @@ class Sender:
             raise TransferError("a Sender with a ledger needs owner and peer")
         self.credit_timeout_s = credit_timeout_s
         self.max_frame_bytes = max_frame_bytes
+        self.codec = codec
+        self._enc = np.empty(0, np.uint8)  # encoded chunks of the layer being sent (reused)
         self._tids = itertools.count(1)
         self._current: Outgoing | None = None
         self._cond = self.window.cond  # one condition for grants and answers
@@ -177,7 +186,12 @@ class Sender:
                 raise self._dead
             if self._current is not None and not self._current.done:
                 raise TransferError(f"transfer {self._current.tid} still open on this connection")
-            h = Outgoing(next(self._tids), meta)
+            link = None
+            if self.codec is not None and meta.codec_id == "raw":
+                link = LinkCodec(self.codec, meta.spec)
+                meta = dataclasses.replace(meta, codec_id=self.codec.codec_id, codec_params=self.codec.params,
+                                           chunk_bytes=link.chunk_bytes)
+            h = Outgoing(next(self._tids), meta, link=link)
             if self.ledger is not None and self.owner is not None and self.peer is not None:
                 # all-or-nothing in the ledger; an OwnershipError leaves no transfer open
                 h.ledger_tid = self.ledger.begin_transfer(meta.block_keys, self.owner, self.peer)
@@ -199,6 +213,8 @@ class Sender:
         if len(blocks) != h.meta.n_blocks:
             raise TransferError(f"{len(blocks)} block views for {h.meta.n_blocks} blocks")
         lb = h.meta.block_layer_bytes
+        if h.link is not None:
+            blocks = self._encode_layer(h.link, layer, blocks)
         per_frame = max(1, self.max_frame_bytes // lb)
         i = 0
         try:
@@ -225,6 +241,19 @@ class Sender:
             self._send_abort(h, exc)
             raise
         h.layers_sent.add(layer)
+
+    def _encode_layer(self, link: LinkCodec, layer: int, blocks: Sequence[Buffer]) -> list[memoryview]:
+        cb = link.chunk_bytes
+        if self._enc.nbytes < cb * len(blocks):
+            self._enc = np.empty(cb * len(blocks), np.uint8)
+        mv = self._enc.data.cast("B")
+        out = [mv[i * cb : (i + 1) * cb] for i in range(len(blocks))]
+        try:
+            for b, o in zip(blocks, out, strict=True):
+                link.encode_into(b, o, layer)
+        except CodecError as exc:
+            raise TransferError(f"layer {layer}: {link.codec.codec_id} could not encode a block: {exc}") from exc
+        return out
 
     def end(self, h: Outgoing, timeout_s: float | None = 60.0) -> None:
         """Finish; returns when the receiver linked every block (raises its error otherwise)."""

@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from kvport.errors import (
     BufferMismatchError,
@@ -39,11 +40,13 @@ from kvport.spec import KVSpec
 from kvport.transfer.credits import Backpressure, CreditPool
 from kvport.transfer.destination import Destination, DestinationFactory
 from kvport.transfer.framing import FrameIO
-from kvport.transfer.linkcodec import LinkCodec
 from kvport.transfer.meta import TransferMeta, check_compatible
 from kvport.transfer.sender import OUTCOMES
 from kvport.transfer.transport import Transport
 from kvport.transfer.wire import DEFAULT_LIMITS, FrameHeader, Limits, MsgType, error_meta
+
+if TYPE_CHECKING:
+    from kvport.transfer.linkcodec import LinkCodec
 
 RECV_BYTES = counter("transfer_received_bytes_total", "KV payload bytes received", ["transport"])
 LOST_BLOCKS = counter("transfer_lost_blocks_total", "Blocks dropped for want of a buffer (backpressure off)")
@@ -227,8 +230,11 @@ class Receiver:
         try:
             meta = TransferMeta.from_wire(dict(m))
             check_compatible(self.spec, meta, self.codecs)
-            link = None if meta.codec_id == "raw" else LinkCodec.for_peer(meta.codec_id, meta.codec_params,
-                                                                          self.spec, meta.block_layer_bytes)
+            link = None
+            if meta.codec_id != "raw":  # the codecs (torch, numba) load only when a link uses one
+                from kvport.transfer.linkcodec import LinkCodec
+
+                link = LinkCodec.for_peer(meta.codec_id, meta.codec_params, self.spec, meta.block_layer_bytes)
             if meta.block_layer_bytes > self.pool.budget:
                 raise TierFullError(f"one block-layer ({meta.block_layer_bytes} B) exceeds the budget "
                                     f"({self.pool.budget} B)")

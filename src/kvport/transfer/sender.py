@@ -30,14 +30,14 @@ from kvport.errors import CodecError, IllegalMoveError, PeerError, ProtocolError
 from kvport.metrics import counter
 from kvport.transfer.credits import Admitted, Backpressure, CreditWindow, Rejected, RejectReason, wait_for
 from kvport.transfer.framing import FrameIO
-from kvport.transfer.linkcodec import LinkCodec
 from kvport.transfer.meta import TransferMeta, remote_error
 from kvport.transfer.transport import Buffer, Transport
 from kvport.transfer.wire import DEFAULT_LIMITS, Limits, MsgType
 
-if TYPE_CHECKING:  # types only: the ledger is used through its methods
+if TYPE_CHECKING:  # types only: the ledger is used through its methods; codecs load on first use
     from kvport.codec import Codec
     from kvport.ledger import Ledger, Owner
+    from kvport.transfer.linkcodec import LinkCodec
 
 SENT_BYTES = counter("transfer_sent_bytes_total", "KV payload bytes sent", ["transport"])
 OUTCOMES = counter("transfer_outcomes_total", "Transfers by outcome", ["role", "outcome"])
@@ -188,6 +188,8 @@ class Sender:
                 raise TransferError(f"transfer {self._current.tid} still open on this connection")
             link = None
             if self.codec is not None and meta.codec_id == "raw":
+                from kvport.transfer.linkcodec import LinkCodec
+
                 link = LinkCodec(self.codec, meta.spec)
                 meta = dataclasses.replace(meta, codec_id=self.codec.codec_id, codec_params=self.codec.params,
                                            chunk_bytes=link.chunk_bytes)

@@ -87,8 +87,9 @@ def test_kivi4_errors_per_channel_group_and_per_row() -> None:
 
 def test_mixed_keeps_sinks_and_recent_at_8_bits_and_middle_bounded() -> None:
     k, v = kv(tokens=300, dtype=torch.float32)
+    unrotated = {"k_rope_theta": None, "v_rotate": False}  # errors bounded in the stored domain
     ko, vo, enc = _roundtrip("mixed", k, v, sinks=4, recent=16, group=32, k_bits=4, target_ratio=None,
-                            calib=None)
+                            calib=None, **unrotated)
     for x, y in ((k, ko), (v, vo)):
         for sl in (slice(0, 4), slice(284, 300)):
             lo = x[:, :, sl].amin(-1, keepdim=True).clamp(max=0)
@@ -96,7 +97,7 @@ def test_mixed_keeps_sinks_and_recent_at_8_bits_and_middle_bounded() -> None:
             # int8 rows: the integer zero point shifts the grid by up to half a step
             assert ((y[:, :, sl] - x[:, :, sl]).abs() <= (hi - lo) / 255 * 1.01 + 1e-4).all()
     mid = slice(4, 284)
-    codec = get_codec("mixed", sinks=4, recent=16, group=32, k_bits=4, target_ratio=None, calib=None)
+    codec = get_codec("mixed", sinks=4, recent=16, group=32, k_bits=4, target_ratio=None, calib=None, **unrotated)
     _, sec = codec._sections(enc.payload, enc.shape, codec._counts(enc.shape))  # type: ignore[attr-defined]
     bits = torch.from_numpy(sec["kbits"].astype(np.int64))  # (L, H, D), 2..8, 4 on average
     assert int(bits.min()) >= 2 and int(bits.max()) <= 8
@@ -132,7 +133,7 @@ def test_mixed_target_ratio_is_met_and_importance_steers_v() -> None:
     # importance names tokens 100..109 as the most important: their V is then stored at 8 bits
     imp = torch.zeros(1024)
     imp[100:110] = 1.0
-    c2 = get_codec("mixed", v_top=0.01, target_ratio=None)
+    c2 = get_codec("mixed", v_top=0.01, target_ratio=None, v_rotate=False)  # bound below: unrotated rows
     enc2 = c2.encode(k, v, importance=imp)
     ko, vo = torch.empty_like(k), torch.empty_like(v)
     c2.decode(enc2, ko, vo)
@@ -229,14 +230,80 @@ def test_mixed_rotations_are_exact_inverses_and_quantize_in_the_rotated_domain(d
             + 2e-2).all()
 
 
-def test_mixed_rotations_travel_in_the_params() -> None:
+def test_mixed_rotations_are_the_default_and_travel_in_the_params() -> None:
+    assert get_codec("mixed").params["k_rope_theta"] == 100000.0 and get_codec("mixed").params["v_rotate"] is True
     k, v = kv(tokens=64)
     c = get_codec("mixed", k_rope_theta=10000.0, v_rotate=True)
     assert codec_from_dict(codec_to_dict(c)).params == c.params
     assert codec_key(c) != codec_key(get_codec("mixed"))
+    assert codec_key(get_codec("mixed", k_rope_theta=None, v_rotate=False)) != codec_key(get_codec("mixed"))
     enc = c.encode(k, v)
     # the payload and its params are all a decoder needs: a fresh codec built from them decodes it equally
     ko1, vo1, ko2, vo2 = (torch.empty_like(k) for _ in range(4))
     c.decode(enc, ko1, vo1)
     get_codec("mixed", **dict(enc.params)).decode(enc, ko2, vo2)
     assert torch.equal(ko1, ko2) and torch.equal(vo1, vo2)
+
+
+@pytest.mark.parametrize("params", [{"k_rope_theta": 100000.0, "v_rotate": True},
+                                    {"k_rope_theta": None, "v_rotate": False, "group": 32, "v_top": 0.1,
+                                     "v_low": 0.2, "recent": 5}])
+def test_mixed_sections_do_not_depend_on_the_callers_buffer(params: dict[str, object]) -> None:
+    """K code streams are written 8 bytes at a time (a chunk's write spills into its channel's later
+    chunks, rewritten after it): every section is a function of the input alone, whatever the
+    caller's buffer held before, and so is the decoded output (encode and decode are deterministic)."""
+    k, v = kv(layers=3, tokens=203, dtype=torch.bfloat16)
+    c = get_codec("mixed", **params)
+    cap = c.max_encoded_size(KVShape(3, 3, 203, 64, DType.BF16))
+    secs: list[dict[str, np.ndarray]] = []
+    outs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for fill in (0x00, 0xFF, 0x5A):
+        enc = c.encode(k, v, out=np.full(cap, fill, np.uint8))
+        secs.append(c._sections(enc.payload, enc.shape, c._counts(enc.shape))[1])  # type: ignore[attr-defined]
+        ko, vo = torch.empty_like(k), torch.empty_like(v)
+        c.decode(enc, ko, vo)
+        outs.append((ko, vo))
+    for sec in secs[1:]:
+        for name, arr in sec.items():
+            assert np.array_equal(arr, secs[0][name]), name
+    for ko, vo in outs[1:]:
+        assert torch.equal(ko, outs[0][0]) and torch.equal(vo, outs[0][1])
+
+
+@pytest.mark.parametrize("D", [8, 64, 128, 256])  # the Hadamard in registers up to 128, in a loop above
+def test_mixed_payload_layout_matches_a_plain_reference(D: int) -> None:
+    """The layout drawn in kvport.codec.mixed, read back with numpy alone (K: per (layer, head,
+    channel) a little-endian stream of ``bits``-bit codes along tokens; V: 4-bit rows, low nibble =
+    even dim), then the inverse rotations in float64: equals what the kernels decode."""
+    L, H, T, sinks, recent, group = 2, 3, 203, 4, 3, 32
+    k, v = kv(layers=L, heads=H, tokens=T, dim=D, dtype=torch.float32)
+    c = get_codec("mixed", group=group, sinks=sinks, recent=recent, k_rope_theta=100000.0, v_rotate=True)
+    enc = c.encode(k, v)
+    ko, vo = torch.empty_like(k), torch.empty_like(v)
+    c.decode(enc, ko, vo)
+    _, sec = c._sections(enc.payload, enc.shape, c._counts(enc.shape))  # type: ignore[attr-defined]
+    m = T - sinks - recent
+    chunks, grp = (m + 7) // 8, np.arange(m) // group
+    bits = sec["kbits"].astype(np.int64)
+    ks, kz = sec["ks"].astype(np.float64), sec["kz"].astype(np.float64)
+    kmid = np.empty((L, H, m, D))
+    for li in range(L):
+        off = 0
+        for h in range(H):
+            for d in range(D):
+                nb = int(bits[li, h, d])
+                stream = np.unpackbits(sec["kq"][li, off:off + chunks * nb], bitorder="little")
+                off += chunks * nb
+                codes = (stream.reshape(-1, nb).astype(np.int64) << np.arange(nb)).sum(1)[:m]
+                kmid[li, h, :, d] = codes * ks[li, h, grp, d] + kz[li, h, grp, d]
+    ang = np.arange(m)[:, None] * 100000.0 ** (-np.arange(0, D, 2) / D)
+    cs, sn = np.cos(ang), np.sin(ang)
+    a, b = kmid[..., :D // 2], kmid[..., D // 2:]
+    kref = np.concatenate([a * cs - b * sn, b * cs + a * sn], -1)  # turned forward again
+    assert np.abs(ko[:, :, sinks:T - recent].numpy() - kref).max() <= 1e-5 * np.abs(kref).max()
+    assert (sec["vcls"] == 0).all()  # v_top = v_low = 0: every middle row at 4 bits, slot = token
+    nib = sec["v4"].astype(np.int64)
+    codes = np.stack([nib & 15, nib >> 4], -1).reshape(L, H, m, D)
+    vmid = codes * sec["v4s"].astype(np.float64)[..., None] + sec["v4z"].astype(np.float64)[..., None]
+    vref = vmid @ _hadamard(D).double().numpy()
+    assert np.abs(vo[:, :, sinks:T - recent].numpy() - vref).max() <= 1e-5 * np.abs(vref).max()

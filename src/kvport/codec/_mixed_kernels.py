@@ -7,15 +7,23 @@ table); codes of one channel pack along tokens, 8 tokens per ``bits`` bytes. Sca
 V middle tokens: per (layer, token) a class (same codes) shared by the heads; a token's row goes to
 the section of its class at ``slot`` = its rank among the middle tokens of that class.
 
-Rotations (optional, exact inverses of each other up to fp32 rounding; the encoder writes the rotated
-middle tokens into an fp32 scratch that the quantizers read with ``t_off = 0``, the decoder
-dequantizes into such a scratch and rotates back into the destination):
+Rotations (params, on by default; exact inverses of each other up to fp32 rounding) are fused into
+the kernels: a row is rotated in a small per-call fp32 buffer (a row, or a 64-row tile, in L1) right
+after it is loaded, and on decode right before it is stored, so a rotation costs arithmetic but no
+pass over memory (separate passes through an fp32 scratch halved the one-thread speed). The vector
+code they need (Hadamard butterflies, row min/max, 8-byte code access) is in :mod:`._simd`:
 
-* K, ``rope_*``: each pair (d, d + D/2) of middle token t turned back by angle ``t * f_d`` (the
-  half-split rotary layout of Llama), i.e. keys as before rotary embedding up to one fixed rotation
-  per range: channels keep their scale over tokens, which per-channel quantization needs.
-* V, ``wht_*``: each row times the orthonormal Walsh-Hadamard matrix (Sylvester order): spreads
+* K, ``cs``/``sn`` with ``rope``: each pair (d, d + D/2) of middle token t turned back by angle
+  ``t * f_d`` (the half-split rotary layout of Llama), i.e. keys as before rotary embedding up to one
+  fixed rotation per range: channels keep their scale over tokens, which per-channel quantization
+  needs. :func:`chan_group_range` and :func:`kbits_encode` both turn each row (recomputing is cheaper
+  than storing it), with the same code, so the ranges bound exactly the values quantized.
+* V, ``rot``: each row times the orthonormal Walsh-Hadamard matrix (Sylvester order): spreads
   outlier channels over the row, so the per-token range, hence the 4-bit step, shrinks.
+
+K code streams are read and written 8 bytes at a time (unaligned). A chunk's write may spill past
+its ``bits`` bytes only into the same channel's later chunks, which are written after it (chunks go
+in token order); within 8 bytes of a stream's end (encode) or a layer's end (decode) single bytes.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from kvport.codec._kernels import affine, f16_bits, f16_value, inline, kernel, load, row_range, to_out
+from kvport.codec._kernels import affine, f16_bits, f16_value, inline, kernel, load, to_out
+from kvport.codec._simd import ld64, row_minmax, st64, wht
 
 BITS = (4, 8, 2)  # bits of class 0, 1, 2
 
@@ -44,52 +53,83 @@ def token_norms(x: Any, t_off: int, out: Any) -> None:
             out[li, t] = acc
 
 
+@inline
+def _unrope(x: Any, li: int, h: int, tt: int, cs: Any, sn: Any, t: int, y: Any) -> None:
+    """y (fp32) = row ``x[li, h, tt]`` with each pair (d, d + D/2) turned back by the angle of middle
+    token t (indexed, not through row views: those do not vectorize as well here)."""
+    hd = y.shape[0] // 2
+    for d in range(hd):
+        y[d] = load(x[li, h, tt, d]) * cs[t, d] + load(x[li, h, tt, d + hd]) * sn[t, d]
+    for d in range(hd):
+        y[d + hd] = load(x[li, h, tt, d + hd]) * cs[t, d] - load(x[li, h, tt, d]) * sn[t, d]
+
+
 @kernel
-def chan_group_range(x: Any, t_off: int, nt: int, group: int, lo: Any, hi: Any) -> None:
+def chan_group_range(x: Any, t_off: int, nt: int, group: int, cs: Any, sn: Any, rope: bool, lo: Any,
+                     hi: Any) -> None:
     """lo, hi (L, H, NG, D): min and max of each channel over each group of ``group`` tokens of
-    ``x[:, :, t_off:t_off + nt]`` (the full array is passed: contiguous rows vectorize)."""
+    ``x[:, :, t_off:t_off + nt]`` (turned back by ``cs``/``sn`` when ``rope``; the full array is
+    passed: contiguous rows vectorize)."""
     nl, nh, _, nd = x.shape
     ng = lo.shape[2]
+    y = np.empty(nd, np.float32)
+    a = np.empty(nd, np.float32)
+    b = np.empty(nd, np.float32)
     for li in range(nl):
         for h in range(nh):
             for g in range(ng):
-                a = lo[li, h, g]
-                b = hi[li, h, g]
                 for d in range(nd):
                     a[d] = np.float32(np.inf)
                     b[d] = np.float32(-np.inf)
                 for t in range(g * group, min(nt, g * group + group)):
-                    row = x[li, h, t_off + t]
-                    for d in range(nd):
-                        val = load(row[d])
-                        a[d] = a[d] if a[d] < val else val
-                        b[d] = b[d] if b[d] > val else val
+                    tt = t_off + t
+                    if rope:
+                        _unrope(x, li, h, tt, cs, sn, t, y)
+                        for d in range(nd):
+                            val = y[d]
+                            a[d] = a[d] if a[d] < val else val
+                            b[d] = b[d] if b[d] > val else val
+                    else:
+                        for d in range(nd):
+                            val = load(x[li, h, tt, d])
+                            a[d] = a[d] if a[d] < val else val
+                            b[d] = b[d] if b[d] > val else val
+                for d in range(nd):
+                    lo[li, h, g, d] = a[d]
+                    hi[li, h, g, d] = b[d]
 
 
 @kernel
-def kbits_encode(x: Any, t_off: int, nt: int, group: int, lo: Any, hi: Any, bits: Any, offs: Any, q: Any,
-                 sbits: Any, zbits: Any) -> None:
+def kbits_encode(x: Any, t_off: int, nt: int, group: int, cs: Any, sn: Any, rope: bool, lo: Any, hi: Any,
+                 bits: Any, offs: Any, q: Any, sbits: Any, zbits: Any) -> None:
     """K middle tokens at ``bits[l, h, d]`` bits per channel (1..8), per channel over token groups.
 
     Codes of channel d of (l, h) for tokens 8i..8i+7 fill ``bits`` bytes at ``q[l, offs[l, h, d] +
     i * bits]`` (little-endian bit stream, earlier token in lower bits). ``group`` is a multiple of 8,
     so a chunk of 8 tokens never straddles two groups; codes past the last token are 0. Tokens are
-    ``x[:, :, t_off:t_off + nt]``."""
+    ``x[:, :, t_off:t_off + nt]``, turned back as in :func:`chan_group_range` (the same code, so the
+    ranges bound exactly the values quantized)."""
     nl, nh, _, nd = x.shape
     zr = np.empty(nd, np.float32)
     iv = np.empty(nd, np.float32)
     top = np.empty(nd, np.float32)
+    y = np.empty(nd, np.float32)
     codes = np.zeros((group, nd), np.uint8)
     acc = np.empty(nd, np.uint64)
     sh = np.empty(nd, np.uint64)
+    ends = np.empty(nd, np.int64)
     half = np.float32(0.5)
     zero_f = np.float32(0.0)
+    nchunks = (nt + 7) // 8
     ng = sbits.shape[2]
     for li in range(nl):
+        qrow = q[li]
         for h in range(nh):
             for d in range(nd):
-                top[d] = np.float32((1 << bits[li, h, d]) - 1)
-                sh[d] = np.uint64(bits[li, h, d])
+                nb = bits[li, h, d]
+                top[d] = np.float32((1 << nb) - 1)
+                sh[d] = np.uint64(nb)
+                ends[d] = offs[li, h, d] + nchunks * np.int64(nb)
             for g in range(ng):
                 t0 = g * group
                 t1 = min(nt, t0 + group)
@@ -99,251 +139,229 @@ def kbits_encode(x: Any, t_off: int, nt: int, group: int, lo: Any, hi: Any, bits
                     sbits[li, h, g, d] = sb
                     zr[d] = zf
                     iv[d] = inv
-                for t in range(t0, t1):
+                for t in range(t0, t1):  # indexed, not through row views: 3x faster
+                    tt = t_off + t
                     r = t - t0
-                    row = x[li, h, t_off + t]
-                    for d in range(nd):
-                        y = np.floor((load(row[d]) - zr[d]) * iv[d] + half)
-                        codes[r, d] = np.uint8(min(max(y, zero_f), top[d]))
+                    if rope:
+                        _unrope(x, li, h, tt, cs, sn, t, y)
+                        for d in range(nd):
+                            e = np.floor((y[d] - zr[d]) * iv[d] + half)
+                            codes[r, d] = np.uint8(min(max(e, zero_f), top[d]))
+                    else:
+                        for d in range(nd):
+                            e = np.floor((load(x[li, h, tt, d]) - zr[d]) * iv[d] + half)
+                            codes[r, d] = np.uint8(min(max(e, zero_f), top[d]))
                 tend = min(group, (t1 - t0 + 7) // 8 * 8)
                 for r in range(t1 - t0, tend):
                     for d in range(nd):
                         codes[r, d] = 0
                 for r0 in range(0, tend, 8):
-                    ci = (t0 + r0) // 8
                     for d in range(nd):  # vectorizes: per-lane variable shifts
                         acc[d] = np.uint64(0)
                     for r in range(8):
                         for d in range(nd):
                             acc[d] |= np.uint64(codes[r0 + r, d]) << (sh[d] * np.uint64(r))
+                    ci = (t0 + r0) // 8
                     for d in range(nd):
-                        nb = bits[li, h, d]
+                        nb = np.int64(bits[li, h, d])
                         base = offs[li, h, d] + ci * nb
-                        a = acc[d]
-                        for j in range(nb):
-                            q[li, base + j] = np.uint8(a & np.uint64(255))
-                            a >>= np.uint64(8)
+                        if base + 8 <= ends[d]:  # spills only into this channel's later chunks
+                            st64(qrow, base, acc[d])
+                        else:
+                            a = acc[d]
+                            for j in range(nb):
+                                qrow[base + j] = np.uint8(a & np.uint64(255))
+                                a >>= np.uint64(8)
 
 
 @kernel
-def kbits_decode(q: Any, group: int, bits: Any, offs: Any, sbits: Any, zbits: Any, out: Any, t_off: int,
-                 nt: int) -> None:
-    """Inverse of :func:`kbits_encode`; only rows ``t_off..t_off+nt-1`` of ``out`` are written."""
+def kbits_decode(q: Any, group: int, bits: Any, offs: Any, sbits: Any, zbits: Any, cs: Any, sn: Any,
+                 rope: bool, out: Any, t_off: int, nt: int) -> None:
+    """Inverse of :func:`kbits_encode` (turning rows forward again when ``rope``); only rows
+    ``t_off..t_off+nt-1`` of ``out`` are written, each once."""
     nl, nh, _, nd = out.shape
+    hd = nd // 2
     like = out[0, 0, 0, 0]  # callers never pass an empty destination
     sc = np.empty(nd, np.float32)
     zr = np.empty(nd, np.float32)
-    codes = np.zeros((group, nd), np.float32)
+    acc = np.empty(nd, np.uint64)
+    sh = np.empty(nd, np.uint64)
+    mask = np.empty(nd, np.uint64)
+    vals = np.empty((8, nd), np.float32)
     ng = sbits.shape[2]
     for li in range(nl):
+        qrow = q[li]
+        qlen = qrow.shape[0]
         for h in range(nh):
+            for d in range(nd):
+                sh[d] = np.uint64(bits[li, h, d])
+                mask[d] = (np.uint64(1) << sh[d]) - np.uint64(1)
             for g in range(ng):
                 t0 = g * group
                 t1 = min(nt, t0 + group)
                 for d in range(nd):
                     sc[d] = f16_value(sbits[li, h, g, d])
                     zr[d] = f16_value(zbits[li, h, g, d])
-                tend = min(group, (t1 - t0 + 7) // 8 * 8)
-                for r0 in range(0, tend, 8):
-                    ci = (t0 + r0) // 8
+                for tc in range(t0, t1, 8):
+                    ci = tc // 8
                     for d in range(nd):
-                        nb = bits[li, h, d]
-                        b = np.uint64(nb)
+                        nb = np.int64(bits[li, h, d])
                         base = offs[li, h, d] + ci * nb
-                        acc = np.uint64(0)
-                        for j in range(nb):
-                            acc |= np.uint64(q[li, base + j]) << np.uint64(8 * j)
-                        mask = (np.uint64(1) << b) - np.uint64(1)
-                        for r in range(8):
-                            codes[r0 + r, d] = np.float32((acc >> (b * np.uint64(r))) & mask)
-                for t in range(t0, t1):
-                    r = t - t0
-                    dst = out[li, h, t_off + t]
-                    for d in range(nd):
-                        dst[d] = to_out(codes[r, d] * sc[d] + zr[d], like)
+                        if base + 8 <= qlen:
+                            acc[d] = ld64(qrow, base)  # bytes past the channel's own are never used
+                        else:
+                            a = np.uint64(0)
+                            for j in range(nb):
+                                a |= np.uint64(qrow[base + j]) << np.uint64(8 * j)
+                            acc[d] = a
+                    for r in range(8):
+                        ru = np.uint64(r)
+                        for d in range(nd):
+                            vals[r, d] = np.float32((acc[d] >> (sh[d] * ru)) & mask[d]) * sc[d] + zr[d]
+                    for t in range(tc, min(t1, tc + 8)):  # indexed, not through row views: 2x faster
+                        r = t - tc
+                        tt = t_off + t
+                        if rope:
+                            for d in range(hd):
+                                out[li, h, tt, d] = to_out(vals[r, d] * cs[t, d] - vals[r, d + hd] * sn[t, d], like)
+                            for d in range(hd):
+                                out[li, h, tt, d + hd] = to_out(vals[r, d + hd] * cs[t, d] + vals[r, d] * sn[t, d],
+                                                                like)
+                        else:
+                            for d in range(nd):
+                                out[li, h, tt, d] = to_out(vals[r, d], like)
 
 
 @kernel
-def vmid_encode(x: Any, t_off: int, cls: Any, slot: Any, q8: Any, s8: Any, z8: Any, q4: Any, s4: Any,
-                z4: Any, q2: Any, s2: Any, z2: Any) -> None:
-    """Rows ``t_off + t`` of class 1 -> int8 (fp16 scale, uint8 zero point), class 0 -> 4 bits,
-    class 2 -> 2 bits."""
+def vmid_encode(x: Any, t_off: int, rot: bool, cls: Any, slot: Any, q8: Any, s8: Any, z8: Any, q4: Any,
+                s4: Any, z4: Any, q2: Any, s2: Any, z2: Any) -> None:
+    """Rows ``t_off + t`` (times the orthonormal Hadamard matrix when ``rot``) of class 1 -> int8
+    (fp16 scale, uint8 zero point), class 0 -> 4 bits, class 2 -> 2 bits.
+
+    Per (layer, head), blocks of up to 64 rows in three passes over an fp32 tile that stays in L1:
+    load (and rotate) + range, then the scales of every row, then quantize + pack. Done row by row,
+    each row's range -> fp16 scale -> 1/scale chain (two divides) stalled its quantizer; in a pass of
+    its own the rows' chains overlap."""
     nl, nh, _, nd = x.shape
     nt = cls.shape[1]
-    lo8 = np.empty(8, np.float32)
-    hi8 = np.empty(8, np.float32)
+    blk = 64
+    tile = np.empty((blk, nd), np.float32)
+    lo = np.empty(blk, np.float32)
+    hi = np.empty(blk, np.float32)
+    zfs = np.empty(blk, np.float32)
+    invs = np.empty(blk, np.float32)
+    cq = np.empty(nd, np.uint8)  # codes, then packed through wider views (little-endian)
+    c16 = cq.view(np.uint16)
+    c32 = cq.view(np.uint32)
     half = np.float32(0.5)
     zero_f = np.float32(0.0)
+    sc = np.float32(1.0 / np.sqrt(nd)) if rot else np.float32(1.0)
     for li in range(nl):
-        for t in range(nt):
-            c = cls[li, t]
-            k = slot[li, t]
-            for h in range(nh):
-                row = x[li, h, t_off + t]
-                lo, hi = row_range(row, lo8, hi8)
-                if c == 1:
-                    lo = min(lo, zero_f)
-                    hi = max(hi, zero_f)
-                    b = f16_bits((hi - lo) / np.float32(255.0))
-                    s = f16_value(b)
-                    inv = np.float32(1.0) / s if s > zero_f else zero_f
-                    z = min(max(np.rint(-lo * inv), zero_f), np.float32(255.0))
-                    zf = -z * s
-                    for d in range(nd):
-                        y = np.floor((load(row[d]) - zf) * inv + half)
-                        q8[li, h, k, d] = np.uint8(min(max(y, zero_f), np.float32(255.0)))
-                    s8[li, h, k] = b
-                    z8[li, h, k] = np.uint8(z)
-                elif c == 0:
-                    zb, sb, zf, _sf, inv = affine(lo, hi, 15.0)
-                    for j in range(nd // 2):
-                        a = np.floor((load(row[2 * j]) - zf) * inv + half)
-                        e = np.floor((load(row[2 * j + 1]) - zf) * inv + half)
-                        q4[li, h, k, j] = (np.uint8(min(max(a, zero_f), np.float32(15.0)))
-                                          | (np.uint8(min(max(e, zero_f), np.float32(15.0))) << np.uint8(4)))
-                    s4[li, h, k] = sb
-                    z4[li, h, k] = zb
-                else:
-                    zb, sb, zf, _sf, inv = affine(lo, hi, 3.0)
-                    for j in range(nd // 4):
-                        acc = np.uint8(0)
-                        for s in range(4):
-                            a = np.floor((load(row[4 * j + s]) - zf) * inv + half)
-                            acc |= np.uint8(min(max(a, zero_f), np.float32(3.0))) << np.uint8(2 * s)
-                        q2[li, h, k, j] = acc
-                    s2[li, h, k] = sb
-                    z2[li, h, k] = zb
+        for h in range(nh):
+            for t0 in range(0, nt, blk):
+                n = min(blk, nt - t0)
+                for r in range(n):
+                    tt = t_off + t0 + r
+                    for d in range(nd):  # indexed, not through row views: those vectorize worse here
+                        tile[r, d] = load(x[li, h, tt, d]) * sc
+                    y = tile[r]
+                    if rot:
+                        wht(y)
+                    lo[r], hi[r] = row_minmax(y)
+                for r in range(n):
+                    c = cls[li, t0 + r]
+                    k = slot[li, t0 + r]
+                    if c == 1:
+                        a = min(lo[r], zero_f)
+                        b = max(hi[r], zero_f)
+                        sb = f16_bits((b - a) / np.float32(255.0))
+                        s = f16_value(sb)
+                        inv = np.float32(1.0) / s if s > zero_f else zero_f
+                        z = min(max(np.rint(-a * inv), zero_f), np.float32(255.0))
+                        zfs[r] = -z * s
+                        s8[li, h, k] = sb
+                        z8[li, h, k] = np.uint8(z)
+                    elif c == 0:
+                        zb, sb, zfs[r], _sf, inv = affine(lo[r], hi[r], 15.0)
+                        s4[li, h, k] = sb
+                        z4[li, h, k] = zb
+                    else:
+                        zb, sb, zfs[r], _sf, inv = affine(lo[r], hi[r], 3.0)
+                        s2[li, h, k] = sb
+                        z2[li, h, k] = zb
+                    invs[r] = inv
+                for r in range(n):
+                    c = cls[li, t0 + r]
+                    k = slot[li, t0 + r]
+                    zf = zfs[r]
+                    inv = invs[r]
+                    if c == 1:
+                        for d in range(nd):
+                            e = np.floor((tile[r, d] - zf) * inv + half)
+                            q8[li, h, k, d] = np.uint8(min(max(e, zero_f), np.float32(255.0)))
+                    elif c == 0:
+                        for d in range(nd):
+                            e = np.floor((tile[r, d] - zf) * inv + half)
+                            cq[d] = np.uint8(min(max(e, zero_f), np.float32(15.0)))
+                        for j in range(nd // 2):  # dims 2j, 2j + 1 -> low, high nibble
+                            w = c16[j]
+                            q4[li, h, k, j] = np.uint8((w & np.uint16(0x0F)) | ((w >> np.uint16(4)) & np.uint16(0xF0)))
+                    else:
+                        for d in range(nd):
+                            e = np.floor((tile[r, d] - zf) * inv + half)
+                            cq[d] = np.uint8(min(max(e, zero_f), np.float32(3.0)))
+                        for j in range(nd // 4):  # dims 4j + u -> bits 2u, 2u + 1
+                            w = c32[j]
+                            q2[li, h, k, j] = np.uint8((w & np.uint32(0x03)) | ((w >> np.uint32(6)) & np.uint32(0x0C))
+                                                       | ((w >> np.uint32(12)) & np.uint32(0x30))
+                                                       | ((w >> np.uint32(18)) & np.uint32(0xC0)))
 
 
 @kernel
 def vmid_decode(cls: Any, slot: Any, q8: Any, s8: Any, z8: Any, q4: Any, s4: Any, z4: Any,
-                q2: Any, s2: Any, z2: Any, out: Any, t_off: int) -> None:
-    """Inverse of :func:`vmid_encode`: writes rows ``t_off..t_off+T-1`` of ``out`` only."""
+                q2: Any, s2: Any, z2: Any, rot: bool, out: Any, t_off: int) -> None:
+    """Inverse of :func:`vmid_encode` (times the Hadamard matrix again when ``rot``): writes rows
+    ``t_off..t_off+T-1`` of ``out`` only, each once."""
     nl, nh, _, nd = out.shape
     nt = cls.shape[1]
     like = out[0, 0, 0, 0]  # callers never pass an empty destination
+    y = np.empty(nd, np.float32)
+    cq = np.empty(nd, np.uint8)
+    c16 = cq.view(np.uint16)
+    c32 = cq.view(np.uint32)
+    sc = np.float32(1.0 / np.sqrt(nd))
     for li in range(nl):
-        for t in range(nt):
-            c = cls[li, t]
-            k = slot[li, t]
-            for h in range(nh):
+        for h in range(nh):
+            for t in range(nt):  # rows in memory order
+                c = cls[li, t]
+                k = slot[li, t]
                 if c == 1:
                     s = f16_value(s8[li, h, k])
                     zf = -np.float32(z8[li, h, k]) * s
                     for d in range(nd):
-                        out[li, h, t_off + t, d] = to_out(np.float32(q8[li, h, k, d]) * s + zf, like)
-                elif c == 0:
-                    s = f16_value(s4[li, h, k])
-                    zf = f16_value(z4[li, h, k])
-                    for j in range(nd // 2):
-                        byte = q4[li, h, k, j]
-                        out[li, h, t_off + t, 2 * j] = to_out(np.float32(byte & np.uint8(15)) * s + zf, like)
-                        out[li, h, t_off + t, 2 * j + 1] = to_out(np.float32(byte >> np.uint8(4)) * s + zf, like)
+                        y[d] = np.float32(q8[li, h, k, d]) * s + zf
                 else:
-                    s = f16_value(s2[li, h, k])
-                    zf = f16_value(z2[li, h, k])
-                    for j in range(nd // 4):
-                        byte = q2[li, h, k, j]
-                        for u in range(4):
-                            val = np.float32((byte >> np.uint8(2 * u)) & np.uint8(3))
-                            out[li, h, t_off + t, 4 * j + u] = to_out(val * s + zf, like)
-
-
-@inline
-def _wht(y: Any, t8: Any) -> None:
-    """In place, unnormalized Walsh-Hadamard transform of a row of 8 * 2^k values: the 8-point
-    transform inside each chunk of 8 in registers, then butterflies across chunks, 8 lanes at a time."""
-    nd = y.shape[0]
-    for a in range(0, nd, 8):
-        a0, a1, a2, a3 = y[a], y[a + 1], y[a + 2], y[a + 3]
-        a4, a5, a6, a7 = y[a + 4], y[a + 5], y[a + 6], y[a + 7]
-        b0, b1, b2, b3 = a0 + a1, a0 - a1, a2 + a3, a2 - a3
-        b4, b5, b6, b7 = a4 + a5, a4 - a5, a6 + a7, a6 - a7
-        c0, c1, c2, c3 = b0 + b2, b1 + b3, b0 - b2, b1 - b3
-        c4, c5, c6, c7 = b4 + b6, b5 + b7, b4 - b6, b5 - b7
-        y[a], y[a + 1], y[a + 2], y[a + 3] = c0 + c4, c1 + c5, c2 + c6, c3 + c7
-        y[a + 4], y[a + 5], y[a + 6], y[a + 7] = c0 - c4, c1 - c5, c2 - c6, c3 - c7
-    h = 8
-    while h < nd:
-        for i in range(0, nd, 2 * h):
-            for j0 in range(i, i + h, 8):
-                for r in range(8):
-                    t8[r] = y[j0 + h + r]
-                for r in range(8):
-                    p = y[j0 + r]
-                    y[j0 + r] = p + t8[r]
-                    y[j0 + h + r] = p - t8[r]
-        h *= 2
-
-
-@kernel
-def wht_rows(x: Any, t_off: int, out: Any) -> None:
-    """out (L, H, M, D) fp32 = rows ``t_off..t_off+M-1`` of x times the orthonormal Hadamard matrix."""
-    nl, nh, nt, nd = out.shape
-    t8 = np.empty(8, np.float32)
-    sc = np.float32(1.0 / np.sqrt(nd))
-    for li in range(nl):
-        for h in range(nh):
-            for t in range(nt):
-                row = x[li, h, t_off + t]
-                y = out[li, h, t]
-                for d in range(nd):
-                    y[d] = load(row[d]) * sc
-                _wht(y, t8)
-
-
-@kernel
-def wht_rows_out(src: Any, out: Any, t_off: int) -> None:
-    """Inverse of :func:`wht_rows` (the matrix is its own inverse): rows of the fp32 scratch ``src``
-    (transformed in place) into rows ``t_off..`` of ``out``."""
-    nl, nh, nt, nd = src.shape
-    like = out[0, 0, 0, 0]  # callers never pass an empty destination
-    t8 = np.empty(8, np.float32)
-    sc = np.float32(1.0 / np.sqrt(nd))
-    for li in range(nl):
-        for h in range(nh):
-            for t in range(nt):
-                y = src[li, h, t]
-                _wht(y, t8)
-                dst = out[li, h, t_off + t]
-                for d in range(nd):
-                    dst[d] = to_out(y[d] * sc, like)
-
-
-@kernel
-def rope_rows(x: Any, t_off: int, cs: Any, sn: Any, out: Any) -> None:
-    """out (L, H, M, D) fp32 = rows ``t_off..`` of x with each pair (d, d + D/2) of token t turned
-    back by the angle whose cosine and sine are ``cs[t, d]``, ``sn[t, d]``."""
-    nl, nh, nt, nd = out.shape
-    hd = nd // 2
-    for li in range(nl):
-        for h in range(nh):
-            for t in range(nt):
-                row = x[li, h, t_off + t]
-                o = out[li, h, t]
-                c = cs[t]
-                s = sn[t]
-                for d in range(hd):
-                    o[d] = load(row[d]) * c[d] + load(row[d + hd]) * s[d]
-                for d in range(hd):
-                    o[d + hd] = load(row[d + hd]) * c[d] - load(row[d]) * s[d]
-
-
-@kernel
-def rope_rows_out(src: Any, cs: Any, sn: Any, out: Any, t_off: int) -> None:
-    """Inverse of :func:`rope_rows`: rows of the fp32 scratch ``src`` turned forward into rows
-    ``t_off..`` of ``out``."""
-    nl, nh, nt, nd = src.shape
-    hd = nd // 2
-    like = out[0, 0, 0, 0]  # callers never pass an empty destination
-    for li in range(nl):
-        for h in range(nh):
-            for t in range(nt):
-                r = src[li, h, t]
-                dst = out[li, h, t_off + t]
-                c = cs[t]
-                s = sn[t]
-                for d in range(hd):
-                    dst[d] = to_out(r[d] * c[d] - r[d + hd] * s[d], like)
-                for d in range(hd):
-                    dst[d + hd] = to_out(r[d + hd] * c[d] + r[d] * s[d], like)
+                    if c == 0:
+                        s = f16_value(s4[li, h, k])
+                        zf = f16_value(z4[li, h, k])
+                        for j in range(nd // 2):
+                            b16 = np.uint16(q4[li, h, k, j])
+                            c16[j] = (b16 & np.uint16(0x0F)) | ((b16 & np.uint16(0xF0)) << np.uint16(4))
+                    else:
+                        s = f16_value(s2[li, h, k])
+                        zf = f16_value(z2[li, h, k])
+                        for j in range(nd // 4):
+                            b32 = np.uint32(q2[li, h, k, j])
+                            c32[j] = ((b32 & np.uint32(0x03)) | ((b32 & np.uint32(0x0C)) << np.uint32(6))
+                                      | ((b32 & np.uint32(0x30)) << np.uint32(12))
+                                      | ((b32 & np.uint32(0xC0)) << np.uint32(18)))
+                    for d in range(nd):
+                        y[d] = np.float32(cq[d]) * s + zf
+                tt = t_off + t
+                if rot:
+                    wht(y)
+                    for d in range(nd):
+                        out[li, h, tt, d] = to_out(y[d] * sc, like)
+                else:
+                    for d in range(nd):
+                        out[li, h, tt, d] = to_out(y[d], like)

@@ -88,7 +88,7 @@ def _gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention, minus the K/V expansion when a mask is present."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
+    if attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.numel() <= _MAX_CACHED:
         attention_mask = _additive(attention_mask, query.dtype)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     causal = q_len > 1 and attention_mask is None and causal
@@ -101,6 +101,7 @@ def _gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 
 _last_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+_MAX_CACHED = 1 << 22  # elements: the additive copy kept until the next forward stays <= 16 MiB
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -110,7 +110,7 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     global _last_mask
     last = _last_mask  # read once: another thread may replace it meanwhile
     if last is None or last[0] is not mask or last[1].dtype != dtype:
-        last = (mask, torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf")))
+        last = (mask, torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf")))
         _last_mask = last
     return last[1]
 

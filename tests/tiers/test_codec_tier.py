@@ -90,6 +90,11 @@ def test_a_frame_of_another_spec_or_codec(tmp_path: Path) -> None:
     CodecTier(inner, get_codec("int8"), SPEC).put(_key(5), _block(5))
     assert CodecTier(inner, get_codec("lossless"), SPEC).get_into(_key(5), bytearray(SPEC.bytes_per_block)) \
         == SPEC.bytes_per_block  # frames describe themselves: changing a tier's codec keeps its blocks
+    b = _block(8)
+    CodecTier(inner, get_codec("lossless"), SPEC).put(_key(8), b)  # larger than an int8 frame
+    out = bytearray(SPEC.bytes_per_block)
+    assert CodecTier(inner, get_codec("int8"), SPEC).get_into(_key(8), out) == SPEC.bytes_per_block
+    assert bytes(out) == b.tobytes()  # decoded by the codec that wrote it: exact
     inner.put(_key(6), b"not a frame at all")
     with pytest.raises(CorruptBlockError):
         CodecTier(inner, get_codec("int8"), other).get_into(_key(6), bytearray(SPEC.bytes_per_block))

@@ -77,14 +77,16 @@ class CodecTier(Tier):
         out = writable_view(dst, self.block_bytes)
         with self._lock:
             buf = self._enc
-            size = self.inner.size_of(key)
-            if size is not None and self.frame_bytes < size <= 2 * self.block_bytes + (1 << 16):
-                buf = np.empty(size, np.uint8)  # a frame another codec wrote (the tier's codec was changed)
             try:
                 n = self.inner.get_into(key, buf)
-            except BufferMismatchError as exc:
-                self.inner.delete(key)
-                raise CorruptBlockError(f"{self.name}: block {key.hex()} is no frame of this spec; dropped") from exc
+            except BufferMismatchError as exc:  # larger than our frames: another codec's (or not a frame)
+                size = self.inner.size_of(key)
+                if size is None or size > 2 * self.block_bytes + (1 << 16):
+                    self.inner.delete(key)
+                    raise CorruptBlockError(f"{self.name}: block {key.hex()} is no frame of this spec; "
+                                            "dropped") from exc
+                buf = np.empty(size, np.uint8)
+                n = self.inner.get_into(key, buf)
             try:
                 decode_block(buf[:n], self.spec, out[: self.block_bytes])
             except CodecError as exc:

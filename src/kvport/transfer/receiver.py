@@ -61,7 +61,7 @@ class InState(enum.Enum):
 class Incoming:
     """One transfer as the receiver sees it; decode engines wait on its layers."""
 
-    def __init__(self, tid: int, meta: TransferMeta, dest: Destination) -> None:
+    def __init__(self, tid: int, meta: TransferMeta, dest: Destination, link: LinkCodec | None = None) -> None:
         self.tid, self.meta, self.dest = tid, meta, dest
         self.state = InState.RECEIVING
         self.error: TransferError | None = None
@@ -72,7 +72,7 @@ class Incoming:
         self._cond = threading.Condition()
         self.t_begin = time.monotonic()
         self.t_done: float | None = None
-        self.link: LinkCodec | None = None  # the link's codec (None: raw block-layers)
+        self.link = link  # the link's codec (None: raw block-layers)
 
     def _finish(self, to: InState, error: TransferError | None = None) -> bool:
         with self._cond:
@@ -246,8 +246,7 @@ class Receiver:
             if isinstance(exc, ProtocolError):
                 raise
             return
-        inc = Incoming(tid, meta, dest)
-        inc.link = link
+        inc = Incoming(tid, meta, dest, link)
         self.current = inc
         self.incoming.put(inc)
         self._send(MsgType.TRANSFER_ACCEPT, {"tid": tid, "budget": self.pool.budget,

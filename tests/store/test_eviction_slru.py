@@ -7,19 +7,7 @@ from kvport.store import TieredStore, TierIndex, make_policy
 from kvport.store.eviction import DEFAULT_POLICY, POLICIES, LRUPolicy, SLRUPolicy
 from kvport.tiers import HostTier
 
-
-def k(c: str) -> bytes:
-    return c.encode() * 16
-
-
-def evict_to(ix: TierIndex, cap: int) -> list[str]:
-    out = []
-    for v in ix.victims():
-        if ix.used <= cap:
-            break
-        ix.remove(v, evicted=True)
-        out.append(v[:1].decode())
-    return out
+from ._helpers import evict_to, k
 
 
 def test_slru_priorities_exact() -> None:

@@ -1,18 +1,6 @@
 from kvport.store import TierIndex, make_policy
 
-
-def k(c: str) -> bytes:
-    return c.encode() * 16
-
-
-def evict_to(ix: TierIndex, cap: int) -> list[str]:
-    out = []
-    for v in ix.victims():
-        if ix.used <= cap:
-            break
-        ix.remove(v, evicted=True)
-        out.append(v[:1].decode())
-    return out
+from ._helpers import evict_to, k
 
 
 def test_lru_exact_order() -> None:

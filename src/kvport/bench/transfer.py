@@ -21,10 +21,12 @@ Fair comparisons (same process layout, same bytes, same buffers, trials interlea
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import socket
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -93,13 +95,25 @@ def _median_gbps(nbytes: int, times: list[float]) -> float | None:
     return None if not times else gbps(nbytes, statistics.median(times))
 
 
+@contextlib.contextmanager
+def _receiver_child(kind: str, listener: Any, where: int | str, nbytes: int) -> Iterator[None]:
+    """The receiving child process for the duration; the listener is closed and the child reaped after."""
+    proc = mp.get_context("spawn").Process(target=_child, args=(kind, where, nbytes), daemon=True)
+    proc.start()
+    try:
+        yield
+    finally:
+        listener.close()
+        proc.join(20)
+        if proc.is_alive():
+            proc.kill()
+
+
 def _tcp(nbytes: int, trials: int) -> dict[str, Any]:
     spec = _spec()
     nb = nbytes // spec.bytes_per_block
     listener = tcp_mod.TcpListener()
-    proc = mp.get_context("spawn").Process(target=_child, args=("tcp", listener.port, nbytes), daemon=True)
-    proc.start()
-    try:
+    with _receiver_child("tcp", listener, listener.port, nbytes):
         listener.sock.settimeout(60)
         raw, _ = listener.sock.accept()
         tcp_mod.tune(raw)
@@ -125,11 +139,6 @@ def _tcp(nbytes: int, trials: int) -> dict[str, Any]:
                 kv_t.append(t2 - t1)
         raw.close()
         sender.close()
-    finally:
-        listener.close()
-        proc.join(20)
-        if proc.is_alive():
-            proc.kill()
     raw_gbps, kv_gbps = _median_gbps(nbytes, raw_t), _median_gbps(nbytes, kv_t)
     return {"raw_same_layout_gbps": raw_gbps, "tcp_gbps": kv_gbps, "tcp_median_s": statistics.median(kv_t),
             "raw_median_s": statistics.median(raw_t), "tcp_trials_s": kv_t, "raw_trials_s": raw_t}
@@ -139,9 +148,7 @@ def _shm(nbytes: int, trials: int) -> dict[str, Any]:
     spec = _spec()
     nb = nbytes // spec.bytes_per_block
     listener = shm_mod.ShmListener()
-    proc = mp.get_context("spawn").Process(target=_child, args=("shm", listener.address, nbytes), daemon=True)
-    proc.start()
-    try:
+    with _receiver_child("shm", listener, listener.address, nbytes):
         t = listener.accept(timeout_s=60)
         sender = Sender(t, max_frame_bytes=_SHM_FRAME, batch_bytes=_SHM_FRAME)
         reg = np.frombuffer(t.register(nbytes), dtype=np.uint8).reshape(nb, spec.bytes_per_block)
@@ -166,11 +173,6 @@ def _shm(nbytes: int, trials: int) -> dict[str, Any]:
                 reg_t.append(t2 - t1)
                 ring_t.append(t3 - t2)
         sender.close()
-    finally:
-        listener.close()
-        proc.join(20)
-        if proc.is_alive():
-            proc.kill()
     return {"memcpy_same_run_gbps": _median_gbps(nbytes, mc_t), "shm_gbps": _median_gbps(nbytes, reg_t),
             "shm_median_s": statistics.median(reg_t), "shm_ring_copy_gbps": _median_gbps(nbytes, ring_t),
             "shm_trials_s": reg_t, "memcpy_trials_s": mc_t}

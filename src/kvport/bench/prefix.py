@@ -28,8 +28,14 @@ concatenation of the whole cache. kvport's part, reading and gathering 1920 toke
 
 ``results.vllm`` is the same comparison through the vLLM connector when its harness is available;
 otherwise ``ttft_speedup`` is None with the reason.
+Weight prefetch (:mod:`kvport.engines.hf.prefetch`, on by default here, ``--set prefetch=false`` turns it
+off): the model computes on one thread and a second thread reads the next layer's weights meanwhile.
+It is enabled for every variant (the full baseline too; at 2048 tokens the multiplies are compute bound
+and it changes nothing there), and the hit path is also timed with it idle
+(``ttft_speedup_no_prefetch``), so both figures come from the same run.
+
 Options (``--set``): ``tokens``, ``cached``, ``trials``, ``threads`` (intra-op threads, default 1: two
-threads collapse on a shared 2-core box), ``vllm=false`` to skip the vLLM half.
+threads collapse on a shared 2-core box), ``prefetch``, ``vllm=false`` to skip the vLLM half.
 """
 
 from __future__ import annotations
@@ -59,10 +65,11 @@ def _stats(ts: list[float]) -> dict[str, float]:
             "trials": len(ts)}
 
 
-def _hf(tokens: int, cached: int, trials: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def _hf(tokens: int, cached: int, trials: int, prefetch: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     import torch
 
     from kvport.engines.hf import HFEngine, Lifetime, StoreBlocks
+    from kvport.engines.hf.prefetch import weight_prefetch
     from kvport.refmodel import load
     from kvport.spec import DType, from_hf_config
     from kvport.store import TieredStore
@@ -78,9 +85,10 @@ def _hf(tokens: int, cached: int, trials: int) -> tuple[dict[str, Any], dict[str
     store = TieredStore([HostTier((tokens // bs + 2) * spec.bytes_per_block, spec.bytes_per_block)])
     empty = TieredStore([HostTier(4 * spec.bytes_per_block, spec.bytes_per_block, name="empty")])
     hit_blocks, zero_blocks = StoreBlocks(store, spec), StoreBlocks(empty, spec)
-    eng = HFEngine(model, spec, hit_blocks)
-    zero = HFEngine(model, spec, zero_blocks)
-    plain = HFEngine(model, spec, None)
+    eng = HFEngine(model, spec, hit_blocks, prefetch_weights=prefetch)
+    zero = HFEngine(model, spec, zero_blocks, prefetch_weights=prefetch)
+    plain = HFEngine(model, spec, None, prefetch_weights=prefetch)
+    pf = weight_prefetch(model) if prefetch else None
     prompt = np.random.default_rng(0).integers(10, 49_000, tokens)
     stored = eng.generate(prompt[:cached], 1, lifetime=Lifetime.PREFIX, store_output=False)
     if stored.stored_blocks != n_blocks:
@@ -88,17 +96,24 @@ def _hf(tokens: int, cached: int, trials: int) -> tuple[dict[str, Any], dict[str
     first: dict[str, int] = {}
 
     def run(name: str, e: HFEngine) -> None:
-        pf = e.prefill(prompt)
-        first[name] = pf.first_token
-        if name == "hit" and pf.cached_blocks != n_blocks:
-            raise KVPortError(f"hit run loaded {pf.cached_blocks} blocks, expected {n_blocks}")
+        if pf is not None:
+            pf.active = name != "hit_no_prefetch"
+        out = e.prefill(prompt)
+        first[name] = out.first_token
+        if name.startswith("hit") and out.cached_blocks != n_blocks:
+            raise KVPortError(f"hit run loaded {out.cached_blocks} blocks, expected {n_blocks}")
 
-    for name, e in (("full", plain), ("hit", eng), ("zero_hit", zero)):  # warm-up (allocations, kernels)
+    variants = [("full", plain), ("hit", eng), ("zero_hit", zero)]
+    if pf is not None:
+        variants.append(("hit_no_prefetch", eng))
+    for name, e in variants:  # warm-up (allocations, kernels)
         run(name, e)
-    ts: dict[str, list[float]] = {"full": [], "hit": [], "zero_hit": []}
+    ts: dict[str, list[float]] = {name: [] for name, _ in variants}
     for _ in range(trials):
-        for name, e in (("full", plain), ("hit", eng), ("zero_hit", zero)):
+        for name, e in variants:
             ts[name].append(_t(lambda n=name, x=e: run(n, x)))  # type: ignore[misc]
+    if pf is not None:
+        pf.active = True
     # the hit path in pieces (same store, same blocks)
     keys = eng.keys(prompt[: ((tokens - 1) // bs) * bs])
     staging = eng.layout.staging(n_blocks)
@@ -120,6 +135,7 @@ def _hf(tokens: int, cached: int, trials: int) -> tuple[dict[str, Any], dict[str
         "ttft_full": _stats(ts["full"]),
         "ttft_hit": _stats(ts["hit"]),
         "ttft_zero_hit": _stats(ts["zero_hit"]),
+        "weight_prefetch": pf is not None,
         "cached_tokens": cached,
         "computed_tokens_hit": tokens - cached,
         "loaded_bytes": nbytes,
@@ -131,6 +147,9 @@ def _hf(tokens: int, cached: int, trials: int) -> tuple[dict[str, Any], dict[str
         "first_token_equal": len(set(first.values())) == 1,
         "threads": torch.get_num_threads(),
     }
+    if pf is not None:  # the same hit path with the prefetch hooks idle (the full baseline is not helped by it)
+        results["ttft_hit_no_prefetch"] = _stats(ts["hit_no_prefetch"])
+        results["ttft_speedup_no_prefetch"] = round(full / statistics.median(ts["hit_no_prefetch"]), 3)
     return results, {"memcpy_gbps": round(mc, 3)}
 
 
@@ -157,12 +176,14 @@ def run(opts: SuiteOptions) -> Report:
     cached = int(opts.extra.get("cached", tokens - tokens // 16))
     trials = int(opts.extra.get("trials", 2 if opts.quick else 5))
     threads = int(opts.extra.get("threads", 1))
+    prefetch = str(opts.extra.get("prefetch", "true")).lower() not in {"false", "0", "no"}
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         cond = conditions(model="SmolLM2-135M-Instruct fp32 (transformers)", tokens=tokens, cached_tokens=cached,
-                          tier="host (TieredStore over HostTier)", trials=trials, torch_threads=threads)
-        hf, limits = _hf(tokens, cached, trials)
+                          tier="host (TieredStore over HostTier)", trials=trials, torch_threads=threads,
+                          weight_prefetch=prefetch)
+        hf, limits = _hf(tokens, cached, trials, prefetch)
     finally:
         torch.set_num_threads(before)
     results = {"hf": hf, "vllm": _vllm(opts, tokens, cached, threads)}

@@ -93,10 +93,14 @@ class HFEngine:
 
     def __init__(self, model: Any, spec: KVSpec, store: BlockStore | None = None, *,
                  key_ctx: KeyContext | None = None, eos_token_ids: Sequence[int] | None = None,
-                 planner: Planner | None = None, tier_name: str = "store", gqa_attention: bool = True) -> None:
+                 planner: Planner | None = None, tier_name: str = "store", gqa_attention: bool = True,
+                 prefetch_weights: bool = False) -> None:
         """``gqa_attention``: switch a CPU model on stock ``sdpa`` to kvport's grouped-query variant
         (:func:`kvport.engines.hf.cache.use_gqa_attention`; same outputs, no K/V expansion under a mask).
-        It changes ``model`` itself, so every user of the model (a baseline too) runs the same kernels."""
+        ``prefetch_weights``: read the next layer's weights on a spare core during each forward
+        (:mod:`kvport.engines.hf.prefetch`; same outputs; worth it only when the process computes on
+        fewer cores than it may use). Both change ``model`` itself, so every user of the model (a
+        baseline too) runs the same way."""
         cfg = model.config.get_text_config(decoder=True)
         n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -125,6 +129,10 @@ class HFEngine:
             from kvport.engines.hf.cache import use_gqa_attention
 
             use_gqa_attention(model)
+        if prefetch_weights:
+            from kvport.engines.hf.prefetch import weight_prefetch
+
+            weight_prefetch(model)
 
     @classmethod
     def from_model_dir(cls, model_dir: Path, store: BlockStore | None = None, **kw: Any) -> HFEngine:

@@ -138,7 +138,7 @@ def test_incompatible_stored_prefix_is_never_loaded(model: object, model_dir: Pa
 
 
 class _FailingTier(Tier):
-    """Delegates to a real tier; ``get_into`` fails once ``reads_left`` reads were served (None: never)."""
+    """Delegates to a real tier; ``get_into`` / ``view`` fail once ``reads_left`` reads were served (None: never)."""
 
     def __init__(self, inner: HostTier, reads_left: int | None) -> None:
         self.inner, self.reads_left = inner, reads_left
@@ -155,12 +155,19 @@ class _FailingTier(Tier):
     def put(self, key: bytes, data: object, *, ttl_s: float | None = None) -> None:
         self.inner.put(key, data, ttl_s=ttl_s)  # type: ignore[arg-type]
 
-    def get_into(self, key: bytes, dst: object) -> int:
+    def _read(self) -> None:
         if self.reads_left is not None:
             if self.reads_left <= 0:
                 raise TierUnavailableError("injected: tier went away mid-load")
             self.reads_left -= 1
+
+    def get_into(self, key: bytes, dst: object) -> int:
+        self._read()
         return self.inner.get_into(key, dst)  # type: ignore[arg-type]
+
+    def view(self, key: bytes) -> memoryview:  # the store's zero-copy read path fails the same way
+        self._read()
+        return self.inner.view(key)
 
     def size_of(self, key: bytes) -> int | None:
         return self.inner.size_of(key)

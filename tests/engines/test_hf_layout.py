@@ -53,6 +53,25 @@ def test_gather_is_the_inverse_of_scatter_and_cache_adopts_views() -> None:
     assert all(a[0] is b[0] for a, b in zip(cache_layers(cache), got, strict=True))  # adopted, not copied
 
 
+def test_gather_block_from_raw_bytes_lands_where_gather_all_puts_it() -> None:
+    spec = _spec()
+    layers = _layers(spec, 12)
+    lay = BlockLayout(spec)
+    staged = lay.scatter_from_cache(layers, 0, 3).clone()
+    other = BlockLayout(spec, capacity_blocks=3)
+    for i in (2, 0, 1):  # any order: each block goes to its own slot
+        other.gather_block(i, memoryview(staged[i].numpy().tobytes()).toreadonly())
+    got = [(other._landing[i, 0, :, :, :12], other._landing[i, 1, :, :, :12]) for i in range(spec.num_layers)]
+    for (k, v), (k2, v2) in zip(layers, got, strict=True):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    from kvport.errors import EngineError
+
+    with pytest.raises(EngineError):
+        other.gather_block(3, memoryview(staged[0].numpy().tobytes()))  # past the reserved blocks
+    with pytest.raises(EngineError):
+        other.gather_block(0, memoryview(b"\0" * (spec.bytes_per_block - 4)))  # not a whole block
+
+
 def test_scatter_refuses_a_cache_of_the_wrong_shape() -> None:
     spec = _spec()
     lay = BlockLayout(spec)

@@ -51,6 +51,31 @@ def test_lookup_reports_prefix_and_tier_and_get_reads_exact_bytes(tmp_path) -> N
         s.get_into(k(99), bytearray(40))
 
 
+def test_consume_hands_a_zero_copy_view_from_host_and_a_scratch_copy_from_disk(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    host = HostTier(2 * 64, 64, name="host")
+    disk = DiskTier(tmp_path, 1 << 20, name="disk")
+    s = TieredStore([host, disk], tier_policies={"host": EXACT})
+    chain(s, range(3))  # two in host, the third demoted to disk
+    seen: list[tuple[bytes, bool]] = []
+    scratch = np.zeros(64, dtype=np.uint8)
+
+    def fn(view: memoryview) -> None:  # (bytes, whether they sit in the scratch buffer)
+        seen.append((bytes(view), np.frombuffer(view, dtype=np.uint8).ctypes.data == scratch.ctypes.data))
+
+    holder = s.lookup([k(0), k(1), k(2)]).tiers
+    for i in range(3):
+        assert s.consume(k(i), fn, scratch) == 32
+    assert [b for b, _ in seen] == [val(0), val(1), val(2)]
+    in_scratch = [r for _, r in seen]
+    assert in_scratch == [t == "disk" for t in holder]  # host: a view of its own pages; disk: the scratch copy
+    assert bytes(scratch[:32]) == val(holder.index("disk"))
+    with pytest.raises(BlockNotFoundError):
+        s.consume(k(99), fn, scratch)
+    out = bytearray(40)
+    s.get_into(k(0), out)
+    assert out[:32] == val(0)  # the view was only read
+
+
 def test_demotion_is_leaf_first_and_drops_at_the_bottom_without_orphans() -> None:
     host = HostTier(2 * 64, 64, name="host")
     low = HostTier(3 * 64, 64, name="low")

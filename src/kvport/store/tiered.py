@@ -309,6 +309,27 @@ class TieredStore:
     def get_into(self, key: bytes, dst: Buffer) -> int:
         """Copy the block into ``dst`` from the top-most healthy tier holding it; promote it to the
         top allowed tier when found lower. BlockNotFoundError when no working tier has it."""
+
+        def read(t: Tier) -> memoryview:
+            return byte_view(dst)[: t.get_into(key, dst)]
+
+        return self._read(key, read)
+
+    def consume(self, key: bytes, fn: Callable[[memoryview], None], scratch: Buffer) -> int:
+        """Hand the block's bytes to ``fn``: a read-only view of the holding tier's own memory where
+        it allows one (``caps.zero_copy_read``: the host pool, no copy), else ``scratch`` filled by
+        ``get_into``. The view is valid only during ``fn``: the store's lock is held, so nothing is
+        evicted, replaced or promoted over it meanwhile. Same lookup, promotion and errors as
+        :meth:`get_into`; returns the block's length."""
+
+        def read(t: Tier) -> memoryview:
+            view = t.view(key) if t.caps.zero_copy_read else byte_view(scratch)[: t.get_into(key, scratch)]
+            fn(view)
+            return view
+
+        return self._read(key, read)
+
+    def _read(self, key: bytes, read: Callable[[Tier], memoryview]) -> int:
         with self._lock:
             m = self._meta.get(key)
             if m is None and not self._probe_shared((key,), 0):
@@ -320,17 +341,18 @@ class TieredStore:
                 if not self._health.healthy(t):
                     continue
                 try:
-                    n = t.get_into(key, dst)
+                    data = read(t)
                 except (BlockNotFoundError, CorruptBlockError):
                     self._forget_in(name, key)
                     continue
                 except TierUnavailableError:
                     self._health.mark_broken(t)
                     continue
+                n = data.nbytes
                 self._bytes_out[name] += n
                 _BYTES_OUT.labels(name).inc(n)
                 self._touch(key, name)
-                self._maybe_promote(key, name, byte_view(dst)[:n])
+                self._maybe_promote(key, name, data)
                 return n
             if key in self._meta and not any(key in ix for ix in self._idx.values()):
                 self._drop(key)

@@ -14,7 +14,7 @@ tier ignores them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -45,6 +45,7 @@ class StoreBlocks:
         self.block_bytes = spec.bytes_per_block
         self.request_id = request_id
         self.last_tiers: tuple[str, ...] = ()  # where the last lookup's hits sat (reports)
+        self._scratch: np.ndarray | None = None  # one block, for tiers without zero-copy reads
 
     def longest_prefix(self, keys: Sequence[BlockKey]) -> int:
         self.last_tiers = ()
@@ -56,6 +57,22 @@ class StoreBlocks:
                 break
         self.last_tiers = res.tiers[:n]
         return n
+
+    def read_each(self, keys: Sequence[BlockKey], fn: Callable[[int, memoryview], None]) -> None:
+        """``fn(i, bytes of keys[i])`` for each key in order, without a copy where the holding tier
+        allows (:meth:`TieredStore.consume`; the view is valid only during the call). A block of
+        the wrong length raises before ``fn`` sees it."""
+        if self._scratch is None:
+            self._scratch = np.empty(self.block_bytes, dtype=np.uint8)
+        scratch = self._scratch
+        for i, key in enumerate(keys):
+            def check(view: memoryview, i: int = i, key: BlockKey = key) -> None:
+                if view.nbytes != self.block_bytes:
+                    raise BufferMismatchError(f"block {key.hex()} holds {view.nbytes} bytes, "
+                                              f"a block is {self.block_bytes}")
+                fn(i, view)
+
+            self.store.consume(key, check, scratch)
 
     def read_into(self, keys: Sequence[BlockKey], out: torch.Tensor) -> None:
         rows = _byte_rows(out, len(keys), self.block_bytes, "staging")

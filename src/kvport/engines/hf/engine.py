@@ -170,8 +170,12 @@ class HFEngine:
                 if decision.action is Action.RECOMPUTE:
                     return Loaded(0, None, f"planner: {decision.reason}")
             t0 = time.perf_counter()
-            staging = self.layout.staging(hit)
-            self.store.read_into(keys[:hit], staging)
+            read_each = getattr(self.store, "read_each", None)
+            if read_each is not None:  # straight from the store's memory into the landing buffer
+                self.layout.reserve(hit)
+                read_each(keys[:hit], self.layout.gather_block)
+            else:
+                self.store.read_into(keys[:hit], self.layout.staging(hit))
             if self.planner is not None:
                 self.planner.observe_transfer(hit * self.spec.bytes_per_block, time.perf_counter() - t0,
                                               self.tier_name, LinkKind.TIER)
@@ -180,7 +184,8 @@ class HFEngine:
             _FALLBACKS.labels(type(exc).__name__).inc()
             log.warning("prefix load failed, recomputing: %s", reason)
             return Loaded(0, None, reason)
-        self.layout.gather_all(hit)
+        if read_each is None:
+            self.layout.gather_all(hit)
         return Loaded(hit, self.layout.cache(self.model.config, hit))
 
     def prefill(self, prompt: Sequence[int] | np.ndarray, room_tokens: int = 0) -> Prefill:

@@ -23,6 +23,7 @@ grows the buffers or writes them again; callers copy out what they keep.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -100,6 +101,20 @@ class BlockLayout:
         with one_thread():
             self._landing_view(n_blocks)[layer].copy_(self._staging[:n_blocks, layer].permute(1, 2, 0, 3, 4))
         return self._landing[layer, 0, :, :, :t], self._landing[layer, 1, :, :, :t]
+
+    def gather_block(self, i: int, data: memoryview) -> None:
+        """Copy one stored block (its raw bytes, ``[L, 2, H, B, D]``) straight into block slot ``i`` of
+        the landing buffer: the load path that skips staging. ``reserve`` must cover ``i``."""
+        s = self.spec
+        if not 0 <= i < self._cap or data.nbytes != s.bytes_per_block:
+            raise EngineError(f"block {i} of {data.nbytes} bytes does not fit the landing buffer "
+                              f"({self._cap} blocks of {s.bytes_per_block} bytes)")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only source: torch is only read from it
+            src = torch.frombuffer(data, dtype=self.dtype).view(s.block_shape)
+        t0 = i * s.block_size
+        with one_thread():
+            self._landing[:, :, 0, :, t0 : t0 + s.block_size].copy_(src)
 
     def gather_all(self, n_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copy all layers of ``staging[:n]`` into the landing buffer in one strided copy."""

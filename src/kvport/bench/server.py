@@ -25,6 +25,7 @@ Throughput = (bytes put + bytes got) / wall time of phase A, both directions sum
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -182,9 +183,17 @@ class _Client:
             self.get(key, must_exist=False)
 
 
+_libc = ctypes.CDLL(None)  # CDLL calls release the GIL: 16 client threads compare in parallel
+_libc.memcmp.restype = ctypes.c_int
+_libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+
 def _equal(a: np.ndarray, b: np.ndarray) -> bool:
-    """Byte-exact comparison in 1 MiB slices (small reused temporaries, no 32 MiB bool array)."""
-    return all(np.array_equal(a[i : i + MiB], b[i : i + MiB]) for i in range(0, len(a), MiB))
+    """Byte-exact comparison: libc ``memcmp`` (one pass over both, no temporaries, ~13 GB/s here;
+    ``np.array_equal`` makes a bool array and runs at ~4 GB/s, which the clients would pay per GET)."""
+    if a.nbytes != b.nbytes or not (a.flags.c_contiguous and b.flags.c_contiguous):
+        return bool(a.nbytes == b.nbytes and np.array_equal(a, b))
+    return a.nbytes == 0 or int(_libc.memcmp(a.ctypes.data, b.ctypes.data, a.nbytes)) == 0
 
 
 def _client_thread(c: _Client, phase: str, arg: float) -> None:

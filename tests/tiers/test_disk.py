@@ -157,3 +157,51 @@ def test_temporary_files_of_live_writers_survive_another_open(tmp_path) -> None:
     gone.write_bytes(b"partial")
     DiskTier(tmp_path, 1 << 20)
     assert live.exists() and not gone.exists()
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_large_batches_hashed_beside_the_write_store_the_same_checksums(tmp_path, monkeypatch,  # type: ignore[no-untyped-def]
+                                                                       parallel: bool) -> None:
+    from kvport.tiers import disk as disk_mod
+
+    monkeypatch.setattr(disk_mod, "PARALLEL_HASH_MIN_BYTES", 1 if parallel else 1 << 62)
+    rng = np.random.default_rng(5)
+    vals = [rng.integers(0, 256, n, dtype=np.uint8) for n in (3 << 20, 1 << 20, 5000)]
+    keys = [bytes([i]) * 16 for i in range(3)]
+    DiskTier(tmp_path, 1 << 26).put_many(list(zip(keys, vals, strict=True)))
+    again = DiskTier(tmp_path, 1 << 26)  # restart: every entry's checksum is verified on read
+    for k, v in zip(keys, vals, strict=True):
+        assert again.get(k) == v.tobytes()
+    digests = [again._index[k].digest for k in keys]
+    import xxhash
+
+    assert digests == [xxhash.xxh3_64_intdigest(k + v.tobytes()) for k, v in zip(keys, vals, strict=True)]
+
+
+def test_a_write_failing_beside_the_hasher_leaves_nothing_and_waits_for_it(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from kvport.tiers import disk as disk_mod
+
+    monkeypatch.setattr(disk_mod, "PARALLEL_HASH_MIN_BYTES", 1)
+    hashed: list[int] = []
+    real_digests = disk_mod._digests
+
+    def slow_digests(keys, srcs):  # type: ignore[no-untyped-def]
+        import time
+
+        time.sleep(0.2)  # still hashing when the write fails
+        out = real_digests(keys, srcs)
+        hashed.append(len(out))
+        return out
+
+    def full_disk(fd: int, data: object, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_mod, "_digests", slow_digests)
+    monkeypatch.setattr(os, "pwrite", full_disk)
+    t = DiskTier(tmp_path, 1 << 26)
+    with pytest.raises(TierFullError):
+        t.put_many([(K1, b"x" * 100_000), (K2, b"y" * 100_000)])
+    assert hashed == [2]  # put_many returned only after the hasher let go of the caller's buffers
+    monkeypatch.undo()
+    assert not t.contains(K1) and not t.contains(K2)
+    assert list(tmp_path.glob("*.kvs")) == [] and list((tmp_path / "tmp").iterdir()) == []

@@ -198,6 +198,7 @@ def test_a_write_failing_beside_the_hasher_leaves_nothing_and_waits_for_it(tmp_p
 
     monkeypatch.setattr(disk_mod, "_digests", slow_digests)
     monkeypatch.setattr(os, "pwrite", full_disk)
+    monkeypatch.setattr(os, "pwritev", full_disk)
     t = DiskTier(tmp_path, 1 << 26)
     with pytest.raises(TierFullError):
         t.put_many([(K1, b"x" * 100_000), (K2, b"y" * 100_000)])
@@ -205,3 +206,27 @@ def test_a_write_failing_beside_the_hasher_leaves_nothing_and_waits_for_it(tmp_p
     monkeypatch.undo()
     assert not t.contains(K1) and not t.contains(K2)
     assert list(tmp_path.glob("*.kvs")) == [] and list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_short_vectored_writes_continue_where_they_stopped(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from kvport.tiers import disk as disk_mod
+
+    monkeypatch.setattr(disk_mod, "PARALLEL_HASH_MIN_BYTES", 1)
+    real = os.pwritev
+
+    def short(fd: int, views: list[memoryview], offset: int) -> int:  # at most 1000 bytes, mid-view
+        left, out = 1000, []
+        for v in views:
+            out.append(v[:left])
+            left -= out[-1].nbytes
+            if not left:
+                break
+        return real(fd, out, offset)
+
+    monkeypatch.setattr(os, "pwritev", short)
+    vals = [bytes([i]) * (2500 + i) for i in range(5)]
+    keys = [bytes([i]) * 16 for i in range(5)]
+    DiskTier(tmp_path, 1 << 20).put_many(list(zip(keys, vals, strict=True)))
+    monkeypatch.undo()
+    again = DiskTier(tmp_path, 1 << 20)
+    assert [again.get(k) for k in keys] == vals

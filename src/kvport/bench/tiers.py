@@ -252,7 +252,7 @@ def _one_shape(label: str, spec: KVSpec, tokens: int, trials: int, folder: Path,
 
 def run(opts: SuiteOptions) -> Report:
     tokens = int(opts.extra.get("tokens", 128 if opts.quick else 2048))
-    trials = int(opts.extra.get("trials", 2 if opts.quick else 3))
+    trials = int(opts.extra.get("trials", 2 if opts.quick else 5))
     base = opts.extra.get("dir")
     limits: dict[str, Any] = {}
     results: dict[str, Any] = {}

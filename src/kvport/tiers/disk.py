@@ -48,13 +48,13 @@ import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
 
 from kvport.errors import BlockNotFoundError, BufferMismatchError, CorruptBlockError, TierError, TierFullError
+from kvport.tiers import checksums
 from kvport.tiers.base import Buffer, Tier, TierCaps, byte_view, writable_view
 
 MAGIC = b"KVPSLAB1"
@@ -66,8 +66,7 @@ MAX_ENTRIES = 1 << 16
 _DELETED = 1
 _SUFFIX = ".kvs"
 WRITE_PIECE_BYTES = 1 << 20
-PARALLEL_HASH_MIN_BYTES = 4 << 20  # batches this large are checksummed on a second thread while written
-_PARALLEL_HASH = (os.cpu_count() or 1) >= 2
+PARALLEL_HASH_MIN_BYTES = checksums.ASIDE_MIN_BYTES  # batches this large: checksummed beside the write
 _MAX_RUN_BYTES = 16 << 20
 _MAX_IOV = 512
 
@@ -229,7 +228,7 @@ class DiskTier(Tier):
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 offs = list(itertools.accumulate((v.nbytes for v in srcs[:-1]), initial=table_end))
-                if total >= PARALLEL_HASH_MIN_BYTES and _PARALLEL_HASH:
+                if total >= PARALLEL_HASH_MIN_BYTES and checksums.PARALLEL:
                     digests = _write_hashing_aside(fd, keys, srcs, offs)
                 else:
                     digests = [_hash_and_write(fd, k, v, o) for k, v, o in zip(keys, srcs, offs, strict=True)]
@@ -465,7 +464,7 @@ def _write_hashing_aside(fd: int, keys: Sequence[bytes], srcs: Sequence[memoryvi
     """Write every value whole while the hasher thread checksums the batch beside it: the two passes
     over the payload run on two cores instead of one after the other. The hasher is waited for
     before this returns, also on error (it reads the caller's buffers)."""
-    fut = _hasher().submit(_digests, keys, srcs)
+    fut = checksums.aside(lambda: _digests(keys, srcs), 1 << 62)  # always on the thread (size checked above)
     try:
         i = 0
         while i < len(srcs):  # the values lie back to back: runs of up to 16 MiB, one pwritev each
@@ -479,25 +478,6 @@ def _write_hashing_aside(fd: int, keys: Sequence[bytes], srcs: Sequence[memoryvi
         fut.exception()  # wait; the write error is what the caller sees
         raise
     return fut.result()
-
-
-_hash_pool: ThreadPoolExecutor | None = None
-_hash_pool_lock = threading.Lock()
-
-
-def _hasher() -> ThreadPoolExecutor:
-    """One checksum thread per process, started on first use (a forked child starts its own)."""
-    global _hash_pool
-    with _hash_pool_lock:
-        if _hash_pool is None:
-            _hash_pool = ThreadPoolExecutor(1, thread_name_prefix="kvport-disk-xxh3")
-            os.register_at_fork(after_in_child=_forget_hasher)
-        return _hash_pool
-
-
-def _forget_hasher() -> None:
-    global _hash_pool, _hash_pool_lock
-    _hash_pool, _hash_pool_lock = None, threading.Lock()
 
 
 def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:

@@ -90,3 +90,24 @@ def test_gqa_attention_only_replaces_stock_sdpa(model: object) -> None:
         assert use_gqa_attention(m) is True and use_gqa_attention(m) is True
     finally:
         m.set_attn_implementation(before)  # type: ignore[attr-defined]
+
+
+def test_suffix_attention_equals_masked_attention_and_only_takes_the_suffix_mask() -> None:
+    import torch.nn.functional as F
+
+    from kvport.engines.hf import cache as C
+
+    g = torch.Generator().manual_seed(1)
+    q_len, p, hq, hk, d = 24, 40, 6, 2, 16
+    query = torch.randn(1, q_len, hq, d, generator=g).transpose(1, 2)  # as transformers hands it over
+    key, value = torch.randn(1, hk, p + q_len, d, generator=g), torch.randn(1, hk, p + q_len, d, generator=g)
+    mask = torch.ones(q_len, p + q_len, dtype=torch.bool).tril(p)[None, None]
+    want = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    assert C._is_suffix_causal(mask, q_len, p + q_len)
+    got = C._suffix_attention(query, key, value, None)
+    assert got is not None and got.shape == (1, q_len, hq, d) and got.is_contiguous()
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
+    padded = mask.clone()
+    padded[..., :3] = False  # left padding: not the plain suffix mask, so the plain path takes it
+    assert not C._is_suffix_causal(padded, q_len, p + q_len)
+    assert not C._is_suffix_causal(mask, q_len, p + q_len + 1)  # shapes must agree

@@ -15,7 +15,12 @@ long loaded prefix (profiled on the reference model, 128 tokens over 1920, one t
   bit). :func:`use_gqa_attention` registers that variant as the ``kvport_sdpa`` implementation; it
   also turns the boolean mask into its additive form once per forward, not once per layer.
 
-Both give the same outputs as the stock path (the engine tests compare with ``model.generate``).
+* A suffix after a cached prefix has an all-prefix-then-causal mask; the masked kernel pays for that
+  mask on every tile. :func:`_suffix_attention` runs the prefix unmasked and the suffix with a small
+  causal mask, query heads stacked per K/V head, and merges the two exactly by log-sum-exp
+  (~10% less attention time, 128 tokens over 2048; equal up to float rounding).
+
+The outputs are those of the stock path (the engine tests compare with ``model.generate``).
 """
 
 from __future__ import annotations
@@ -88,6 +93,10 @@ def _gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention, minus the K/V expansion when a mask is present."""
     q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is not None and dropout == 0.0 and _is_suffix_causal(attention_mask, q_len, kv_len):
+        out = _suffix_attention(query, key, value, scaling)
+        if out is not None:
+            return out, None
     if attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.numel() <= _MAX_CACHED:
         attention_mask = _additive(attention_mask, query.dtype)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
@@ -98,6 +107,63 @@ def _gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
         enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+# ---------------------------------------------------------------------- a suffix after a cached prefix
+# The mask of a suffix of q tokens after p cached ones is "every prefix key, then causal among the
+# suffix". Attention over the prefix needs no mask at all, and with the query heads of one K/V head
+# stacked into one matrix ([H_kv, g*q, D]) the kernel runs larger, unmasked tiles: two partial
+# attentions (prefix: no mask; suffix: a q x q causal mask) merged exactly by their log-sum-exp,
+# o = lerp(o_prefix, o_suffix, sigmoid(lse_suffix - lse_prefix)). ~10% less attention time at 128
+# tokens over 2048 here; the same result up to float rounding (~1e-7).
+_SDPA_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_last_shape: tuple[torch.Tensor, bool] | None = None
+_suffix_masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+
+
+def _is_suffix_causal(mask: torch.Tensor, q_len: int, kv_len: int) -> bool:
+    """True if ``mask`` ([1, 1, q, kv], bool) is exactly all-prefix-then-causal; checked once per
+    mask object (every layer of a forward gets the same one)."""
+    global _last_shape
+    last = _last_shape
+    if last is not None and last[0] is mask:
+        return last[1]
+    ok = False
+    if (_SDPA_LSE is not None and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[:2] == (1, 1)
+            and 1 < q_len < kv_len and tuple(mask.shape[2:]) == (q_len, kv_len) and mask.device.type == "cpu"):
+        p = kv_len - q_len
+        tri = torch.ones(q_len, q_len, dtype=torch.bool).tril_()
+        ok = bool(mask[0, 0, :, :p].all()) and bool(torch.equal(mask[0, 0, :, p:], tri))
+    _last_shape = (mask, ok)
+    return ok
+
+
+def _suffix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scaling: float | None) -> torch.Tensor | None:
+    """Attention of a ``q``-token suffix over ``kv - q`` cached keys and itself (see above);
+    ``[1, q, H, D]`` contiguous, or None when the shapes do not fit (the caller takes the plain path)."""
+    b, hq, q_len, d = query.shape
+    hk, kv_len = key.shape[1], key.shape[2]
+    if b != 1 or hq % hk or query.dtype not in (torch.float32, torch.bfloat16, torch.float16) or _SDPA_LSE is None:
+        return None
+    g, p = hq // hk, kv_len - q_len
+    if g * q_len * q_len > _MAX_CACHED:  # the suffix mask stays small (long suffixes: the plain path)
+        return None
+    qf = query.reshape(1, hk, g * q_len, d)  # query heads of one K/V head stacked (one small copy)
+    mkey = (q_len, g, query.dtype)
+    sub = _suffix_masks.get(mkey)
+    if sub is None:
+        causal = torch.zeros(q_len, q_len, dtype=query.dtype).masked_fill_(
+            ~torch.ones(q_len, q_len, dtype=torch.bool).tril_(), float("-inf"))
+        sub = causal.repeat(g, 1)
+        if len(_suffix_masks) > 8:
+            _suffix_masks.clear()
+        _suffix_masks[mkey] = sub
+    o1, l1 = _SDPA_LSE(qf, key[:, :, :p], value[:, :, :p], scale=scaling)[:2]
+    o2, l2 = _SDPA_LSE(qf, key[:, :, p:], value[:, :, p:], attn_mask=sub, scale=scaling)[:2]
+    w = torch.sigmoid(l2 - l1).unsqueeze(-1).to(o1.dtype)
+    out = torch.lerp(o1, o2, w)  # [1, hk, g*q, d]
+    return out.view(1, hk, g, q_len, d).permute(0, 3, 1, 2, 4).reshape(1, q_len, hq, d).contiguous()
 
 
 _last_mask: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -66,8 +66,13 @@ def test_gather_block_from_raw_bytes_lands_where_gather_all_puts_it() -> None:
         assert torch.equal(k, k2) and torch.equal(v, v2)
     from kvport.errors import EngineError
 
+    three = BlockLayout(spec, capacity_blocks=3)
+    three.gather_block(0, memoryview(staged.numpy().tobytes()).toreadonly())  # a run of 3 blocks in one copy
+    assert torch.equal(three._landing[:, :, :, :, :12], other._landing[:, :, :, :, :12])
     with pytest.raises(EngineError):
         other.gather_block(3, memoryview(staged[0].numpy().tobytes()))  # past the reserved blocks
+    with pytest.raises(EngineError):
+        other.gather_block(1, memoryview(staged.numpy().tobytes()))  # 3 blocks from slot 1 overrun
     with pytest.raises(EngineError):
         other.gather_block(0, memoryview(b"\0" * (spec.bytes_per_block - 4)))  # not a whole block
 

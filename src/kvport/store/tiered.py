@@ -22,7 +22,7 @@ import contextlib
 import heapq
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -314,6 +314,13 @@ class TieredStore:
             return byte_view(dst)[: t.get_into(key, dst)]
 
         return self._read(key, read)
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Hold the store's (reentrant) lock for the block: zero-copy views handed out by
+        :meth:`consume` inside it stay valid until it exits (nothing is evicted or replaced)."""
+        with self._lock:
+            yield
 
     def consume(self, key: bytes, fn: Callable[[memoryview], None], scratch: Buffer) -> int:
         """Hand the block's bytes to ``fn``: a read-only view of the holding tier's own memory where

@@ -14,6 +14,7 @@ tier ignores them.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -32,6 +33,14 @@ def _byte_rows(t: torch.Tensor, n: int, block_bytes: int, what: str) -> np.ndarr
         raise BufferMismatchError(f"{what} of shape {tuple(t.shape)} cannot hold {n} blocks of {block_bytes} bytes")
     rows: np.ndarray = t.numpy().reshape(t.shape[0], -1).view(np.uint8)
     return rows
+
+
+def _joined(views: list[memoryview], at: int) -> memoryview:
+    """One read-only view of ``views``, which lie back to back in memory from address ``at``."""
+    if len(views) == 1:
+        return views[0]
+    total = sum(v.nbytes for v in views)
+    return memoryview((ctypes.c_char * total).from_address(at)).cast("B").toreadonly()
 
 
 class StoreBlocks:
@@ -59,20 +68,42 @@ class StoreBlocks:
         return n
 
     def read_each(self, keys: Sequence[BlockKey], fn: Callable[[int, memoryview], None]) -> None:
-        """``fn(i, bytes of keys[i])`` for each key in order, without a copy where the holding tier
-        allows (:meth:`TieredStore.consume`; the view is valid only during the call). A block of
+        """``fn(i, bytes of keys[i:i + k])`` over all keys in order, without a copy where the holding
+        tier allows (:meth:`TieredStore.consume`; the views are valid only during the call).
+        Blocks that lie back to back in the tier's memory (a host pool whose pages were handed out
+        in order) come as one view of ``k`` blocks, so the caller copies them in one go. A block of
         the wrong length raises before ``fn`` sees it."""
         if self._scratch is None:
             self._scratch = np.empty(self.block_bytes, dtype=np.uint8)
-        scratch = self._scratch
-        for i, key in enumerate(keys):
-            def check(view: memoryview, i: int = i, key: BlockKey = key) -> None:
-                if view.nbytes != self.block_bytes:
-                    raise BufferMismatchError(f"block {key.hex()} holds {view.nbytes} bytes, "
-                                              f"a block is {self.block_bytes}")
-                fn(i, view)
+        scratch, bb = self._scratch, self.block_bytes
+        scratch_at = int(scratch.ctypes.data)
+        run: list[memoryview] = []  # zero-copy views of adjacent blocks, not yet handed to fn
+        run_start = run_at = 0
 
-            self.store.consume(key, check, scratch)
+        def flush() -> None:
+            if run:
+                fn(run_start, _joined(run, run_at))
+                run.clear()
+
+        with self.store.holding():  # the views stay valid (nothing evicted) until the last flush
+            for i, key in enumerate(keys):
+                def take(view: memoryview, i: int = i, key: BlockKey = key) -> None:
+                    nonlocal run_start, run_at
+                    if view.nbytes != bb:
+                        raise BufferMismatchError(f"block {key.hex()} holds {view.nbytes} bytes, a block is {bb}")
+                    at = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+                    if at == scratch_at:  # a copy in our scratch buffer: overwritten by the next block
+                        flush()
+                        fn(i, view)
+                    elif run and at == run_at + len(run) * bb:
+                        run.append(view)
+                    else:
+                        flush()
+                        run.append(view)
+                        run_start, run_at = i, at
+
+                self.store.consume(key, take, scratch)
+            flush()
 
     def read_into(self, keys: Sequence[BlockKey], out: torch.Tensor) -> None:
         rows = _byte_rows(out, len(keys), self.block_bytes, "staging")

@@ -103,18 +103,22 @@ class BlockLayout:
         return self._landing[layer, 0, :, :, :t], self._landing[layer, 1, :, :, :t]
 
     def gather_block(self, i: int, data: memoryview) -> None:
-        """Copy one stored block (its raw bytes, ``[L, 2, H, B, D]``) straight into block slot ``i`` of
-        the landing buffer: the load path that skips staging. ``reserve`` must cover ``i``."""
+        """Copy stored blocks (their raw bytes: ``k`` blocks ``[L, 2, H, B, D]`` back to back) straight
+        into block slots ``i .. i+k`` of the landing buffer: the load path that skips staging, one
+        strided copy per run. ``reserve`` must cover them."""
         s = self.spec
-        if not 0 <= i < self._cap or data.nbytes != s.bytes_per_block:
-            raise EngineError(f"block {i} of {data.nbytes} bytes does not fit the landing buffer "
+        k, rem = divmod(data.nbytes, s.bytes_per_block)
+        if rem or not k or not i >= 0 or i + k > self._cap:
+            raise EngineError(f"{data.nbytes} bytes at block {i} do not fit the landing buffer "
                               f"({self._cap} blocks of {s.bytes_per_block} bytes)")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a read-only source: torch is only read from it
-            src = torch.frombuffer(data, dtype=self.dtype).view(s.block_shape)
+            src = torch.frombuffer(data, dtype=self.dtype).view(k, *s.block_shape)
         t0 = i * s.block_size
+        dst = self._landing[:, :, 0, :, t0 : t0 + k * s.block_size].view(
+            s.num_layers, 2, s.kv_heads_per_rank, k, s.block_size, s.head_dim)
         with one_thread():
-            self._landing[:, :, 0, :, t0 : t0 + s.block_size].copy_(src)
+            dst.copy_(src.permute(1, 2, 3, 0, 4, 5))
 
     def gather_all(self, n_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copy all layers of ``staging[:n]`` into the landing buffer in one strided copy."""

@@ -111,3 +111,24 @@ def test_suffix_attention_equals_masked_attention_and_only_takes_the_suffix_mask
     padded[..., :3] = False  # left padding: not the plain suffix mask, so the plain path takes it
     assert not C._is_suffix_causal(padded, q_len, p + q_len)
     assert not C._is_suffix_causal(mask, q_len, p + q_len + 1)  # shapes must agree
+
+
+def test_linear_weights_in_in_out_layout_give_bit_identical_logits(model_dir: Path) -> None:
+    from kvport.engines.hf.weights import transpose_linear_weights
+    from kvport.refmodel import load
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        m, _ = load(model_dir)
+        ids = torch.from_numpy(np.random.default_rng(7).integers(10, 49_000, (1, 48)))
+        with torch.inference_mode():
+            before = m(input_ids=ids).logits
+            n = transpose_linear_weights(m)
+            after = m(input_ids=ids).logits
+        assert n == 7 * m.config.num_hidden_layers  # q, k, v, o, gate, up, down in every layer
+        assert torch.equal(before, after)
+        assert transpose_linear_weights(m) == 0  # already laid out
+        assert not m.model.embed_tokens.weight.t().is_contiguous()  # the embedding (tied head) stays row-major
+    finally:
+        torch.set_num_threads(threads)

@@ -96,7 +96,9 @@ class HFEngine:
                  planner: Planner | None = None, tier_name: str = "store", gqa_attention: bool = True,
                  prefetch_weights: bool = False) -> None:
         """``gqa_attention``: switch a CPU model on stock ``sdpa`` to kvport's grouped-query variant
-        (:func:`kvport.engines.hf.cache.use_gqa_attention`; same outputs, no K/V expansion under a mask).
+        (:func:`kvport.engines.hf.cache.use_gqa_attention`; same outputs, no K/V expansion under a mask)
+        and lay its decoder's linear weights out as ``[in, out]`` in memory
+        (:func:`kvport.engines.hf.weights.transpose_linear_weights`; bit-identical results, faster).
         ``prefetch_weights``: read the next layer's weights on a spare core during each forward
         (:mod:`kvport.engines.hf.prefetch`; same outputs; worth it only when the process computes on
         fewer cores than it may use). Both change ``model`` itself, so every user of the model (a
@@ -129,6 +131,10 @@ class HFEngine:
             from kvport.engines.hf.cache import use_gqa_attention
 
             use_gqa_attention(model)
+        if gqa_attention and next(model.parameters()).device.type == "cpu":
+            from kvport.engines.hf.weights import transpose_linear_weights
+
+            transpose_linear_weights(model)
         if prefetch_weights:
             from kvport.engines.hf.prefetch import weight_prefetch
 

@@ -16,15 +16,19 @@ TTFT. The end-to-end figures (``zero_hit_overhead_end_to_end``: fastest zero-hit
 full trial, and the median-based one) sit beside it: on a loaded 2-core box two long prefills differ
 by far more than the overhead, so they mostly show the noise (see the trials' min/max). The hit path
 is broken down into lookup and the load (each block copied from the host pool's pages straight into
-the cache's landing buffer: one strided copy per block, no staging), and the load is compared with
+the cache's landing buffer: one strided copy per run of adjacent pages, no staging), and the load is compared with
 numpy memcpy of the same bytes measured in the same run (``limits.memcpy_gbps``).
 
 What bounds the speedup here (profiled, 1 thread): the 128-token suffix forward over 1920 cached
-tokens is the model's own work, the linear layers of 128 tokens (~45%) and attention of 128 queries
-over 2048 keys (~40%; a full causal prefill skips half of its attention, a suffix cannot). Stock
-transformers added ~20% on top, which the engine removes (:mod:`kvport.engines.hf.cache`): the
-``repeat_kv`` expansion of K/V under an attention mask, and ``DynamicCache``'s per-layer
-concatenation of the whole cache. kvport's part, loading 1920 tokens' blocks, is ``hit_breakdown_s``.
+tokens is the model's own work, the linear layers of 128 tokens and attention of 128 queries over
+2048 keys (a full causal prefill skips half of its attention, a suffix cannot), both near this core's
+fp32 peak (~110 GFLOP/s). Stock transformers added ~20% on top, which the engine removes
+(:mod:`kvport.engines.hf.cache`): the ``repeat_kv`` expansion of K/V under an attention mask,
+``DynamicCache``'s per-layer concatenation of the whole cache, and the masked kernel over the whole
+prefix (the suffix runs as an unmasked prefix part plus a small causal part); the decoder's linear
+weights are laid out ``[in, out]`` (:mod:`kvport.engines.hf.weights`, bit-identical, ~15% faster
+projections at 128 rows). At 128 rows the projections wait on the weights coming from memory, which
+the prefetch thread hides. kvport's part, loading 1920 tokens' blocks, is ``hit_breakdown_s``.
 
 ``results.vllm`` is the same comparison through the vLLM connector when its harness is available;
 otherwise ``ttft_speedup`` is None with the reason.

@@ -74,3 +74,23 @@ def test_redis_down_then_restarted(redis_server, tier) -> None:  # type: ignore[
     assert not tier.contains(K1)  # persistence is off: a restart loses the values, a clean miss
     tier.put(K2, b"after")
     assert tier.get(K2) == b"after"
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_grouped_batched_get_checks_every_value_in_every_group(tier, monkeypatch, threaded: bool) -> None:  # type: ignore[no-untyped-def]
+    from kvport.tiers import checksums
+    from kvport.tiers import redis_tier as rt
+
+    monkeypatch.setattr(rt, "GET_GROUP_BYTES", 3000)  # ~2 values a group: several groups in flight
+    monkeypatch.setattr(checksums, "ASIDE_MIN_BYTES", 1 if threaded else 1 << 62)
+    rng = np.random.default_rng(3)
+    keys = [bytes([65 + i]) * 16 for i in range(9)]
+    vals = [rng.integers(0, 256, 1500 + 37 * i, dtype=np.uint8).tobytes() for i in range(9)]  # one chunk each
+    tier.put_many(list(zip(keys, vals, strict=True)))
+    tier._r.setrange(tier._c(keys[6], 0), 10, b"!")  # a value in a later group, tampered
+    outs = [bytearray(len(v)) for v in vals]
+    got = tier.get_many_into(list(zip(keys, outs, strict=True)))
+    assert got == [len(v) if i != 6 else None for i, v in enumerate(vals)]
+    assert all(bytes(o) == v for i, (o, v) in enumerate(zip(outs, vals, strict=True)) if i != 6)
+    assert not tier.contains(keys[6])  # dropped, a clean miss from now on
+    assert rt._groups([(k, o) for k, o in zip(keys, outs, strict=True)], 3000)[0] == (0, 2)

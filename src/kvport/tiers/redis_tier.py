@@ -19,8 +19,10 @@ TierFullError.
 from __future__ import annotations
 
 import contextlib
+import functools
 import struct
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -150,45 +152,58 @@ class RedisTier(Tier):
         return self._get_many(items, raise_missing=False)
 
     def _get_many(self, items: Sequence[tuple[bytes, Buffer]], raise_missing: bool) -> list[int | None]:
-        pipe = self._r.pipeline(transaction=False)
-        for key, _ in items:
-            pipe.get(self._k(key))
-            pipe.get(self._c(key, 0))
-        try:
-            firsts = pipe.execute()
-        except redis.RedisError as exc:
-            raise _map(self.name, exc) from exc
+        """Pipelined in groups of ~GET_GROUP_BYTES: while group k+1 is on the wire, the checksum
+        thread verifies group k's one-chunk values and copies them into their destinations."""
         rest = self._r.pipeline(transaction=False)
         plans: list[tuple[bytes, memoryview, int, int | None] | None] = []  # digest None: verified already
-        singles: list[tuple[int, bytes, bytes, int]] = []  # one-chunk values: (plan index, key, bytes, digest)
-        for j, (key, dst) in enumerate(items):
-            head, chunk0 = firsts[2 * j], firsts[2 * j + 1]
-            if head is None:
-                if raise_missing:
-                    raise BlockNotFoundError(f"{self.name}: no block {key.hex()}")
-                plans.append(None)
-                continue
-            if len(head) != HEADER_BYTES or head[:4] != _MAGIC:
-                self._drop_bad(key, "bad header", raise_missing)
-                plans.append(None)
-                continue
-            _, _, n, digest = _HEADER.unpack(head)
-            out_mv = writable_view(dst, n)
-            want0 = min(n, self.chunk_bytes)
-            if chunk0 is None or len(chunk0) != want0:
-                self._drop_bad(key, "missing or short chunk 0", raise_missing)
-                plans.append(None)
-                continue
-            if n == want0:  # one chunk: copied and verified together below
-                singles.append((len(plans), key, chunk0, digest))
-                plans.append((key, out_mv, n, None))
-                continue
-            out_mv[:want0] = chunk0
-            for i in range(1, self._chunks(n)):
-                rest.get(self._c(key, i))
-            plans.append((key, out_mv, n, digest))
-        if singles:
-            self._copy_verified(singles, plans, raise_missing)
+        pending: list[Future[list[tuple[int, bytes]]]] = []
+        try:
+            for a, b in _groups(items, GET_GROUP_BYTES):
+                pipe = self._r.pipeline(transaction=False)
+                for key, _ in items[a:b]:
+                    pipe.get(self._k(key))
+                    pipe.get(self._c(key, 0))
+                try:
+                    firsts = pipe.execute()
+                except redis.RedisError as exc:
+                    raise _map(self.name, exc) from exc
+                singles: list[tuple[int, bytes, memoryview, bytes, int]] = []  # (plan, key, dst, bytes, digest)
+                for j, (key, dst) in enumerate(items[a:b]):
+                    head, chunk0 = firsts[2 * j], firsts[2 * j + 1]
+                    if head is None:
+                        if raise_missing:
+                            raise BlockNotFoundError(f"{self.name}: no block {key.hex()}")
+                        plans.append(None)
+                        continue
+                    if len(head) != HEADER_BYTES or head[:4] != _MAGIC:
+                        self._drop_bad(key, "bad header", raise_missing)
+                        plans.append(None)
+                        continue
+                    _, _, n, digest = _HEADER.unpack(head)
+                    out_mv = writable_view(dst, n)
+                    want0 = min(n, self.chunk_bytes)
+                    if chunk0 is None or len(chunk0) != want0:
+                        self._drop_bad(key, "missing or short chunk 0", raise_missing)
+                        plans.append(None)
+                        continue
+                    if n == want0:  # one chunk: verified and copied on the checksum thread
+                        singles.append((len(plans), key, out_mv, chunk0, digest))
+                        plans.append((key, out_mv, n, None))
+                        continue
+                    out_mv[:want0] = chunk0
+                    for i in range(1, self._chunks(n)):
+                        rest.get(self._c(key, i))
+                    plans.append((key, out_mv, n, digest))
+                if singles:
+                    pending.append(checksums.aside(functools.partial(_verify_and_copy, singles, self.verify),
+                                                   sum(len(c) for _, _, _, c, _ in singles)))
+        except BaseException:
+            _wait_all(pending)  # no thread writes into the caller's buffers once this returns
+            raise
+        bad = [x for fut in pending for x in fut.result()]
+        for idx, key in bad:
+            plans[idx] = None
+            self._drop_bad(key, "checksum mismatch", raise_missing)
         try:
             chunks = rest.execute() if len(rest) else []
         except redis.RedisError as exc:
@@ -220,28 +235,6 @@ class RedisTier(Tier):
                 continue
             out.append(n)
         return out
-
-    def _copy_verified(self, singles: list[tuple[int, bytes, bytes, int]],
-                       plans: list[tuple[bytes, memoryview, int, int | None] | None], raise_missing: bool) -> None:
-        """Copy one-chunk values into their destinations while the checksum thread hashes the same
-        received bytes (two passes on two cores); a value that fails its checksum becomes a miss."""
-        srcs = [c for _, _, c, _ in singles]
-        fut = checksums.aside(lambda: checksums.xxh3_each(srcs), sum(len(c) for c in srcs)) if self.verify else None
-        try:
-            for idx, _, c, _ in singles:
-                plan = plans[idx]
-                assert plan is not None
-                # numpy copies without the GIL (a memoryview assignment holds it, and the hashing
-                # thread would wait for it between values)
-                np.copyto(np.frombuffer(plan[1], dtype=np.uint8, count=len(c)), np.frombuffer(c, dtype=np.uint8))
-        finally:
-            got = fut.result() if fut is not None else None
-        if got is None:
-            return
-        for (idx, key, _, digest), h in zip(singles, got, strict=True):
-            if h != digest:
-                plans[idx] = None
-                self._drop_bad(key, "checksum mismatch", raise_missing)
 
     def _drop_bad(self, key: bytes, why: str, raise_it: bool) -> None:
         self.delete(key)
@@ -297,3 +290,38 @@ class RedisTier(Tier):
     def close(self) -> None:
         with contextlib.suppress(redis.RedisError):
             self._r.close()
+
+
+GET_GROUP_BYTES = 8 << 20  # a batched get is pipelined in groups of about this many destination bytes
+
+
+def _groups(items: Sequence[tuple[bytes, Buffer]], group_bytes: int) -> list[tuple[int, int]]:
+    """[a, b) index ranges of consecutive items whose destinations add up to ~group_bytes."""
+    out: list[tuple[int, int]] = []
+    a = acc = 0
+    for i, (_, dst) in enumerate(items):
+        acc += int(getattr(dst, "nbytes", 0) or len(dst))  # type: ignore[arg-type]
+        if acc >= group_bytes:
+            out.append((a, i + 1))
+            a, acc = i + 1, 0
+    if a < len(items):
+        out.append((a, len(items)))
+    return out
+
+
+def _verify_and_copy(singles: list[tuple[int, bytes, memoryview, bytes, int]], verify: bool) -> list[tuple[int, bytes]]:
+    """Hash each received value (read from RAM once), then copy it from cache into its destination;
+    returns (plan index, key) of those that failed their checksum (their destination holds garbage
+    and the caller reports a miss). numpy copies without the GIL."""
+    bad: list[tuple[int, bytes]] = []
+    for idx, key, dst, c, digest in singles:
+        if verify and xxhash.xxh3_64_intdigest(c) != digest:
+            bad.append((idx, key))
+            continue
+        np.copyto(np.frombuffer(dst, dtype=np.uint8, count=len(c)), np.frombuffer(c, dtype=np.uint8))
+    return bad
+
+
+def _wait_all(futs: list[Future[list[tuple[int, bytes]]]]) -> None:
+    for f in futs:
+        f.exception()  # waits, never raises

@@ -97,12 +97,8 @@ class RedisTier(Tier):
         return self._r.pipeline(transaction=False)
 
     # ------------------------------------------------------------------ put
-    def _queue_put(self, pipe: Any, key: bytes, data: Buffer, ttl_s: float | None) -> None:
-        src = byte_view(data)
+    def _queue_put(self, pipe: Any, key: bytes, src: memoryview, digest: int, ttl_s: float | None) -> None:
         n = src.nbytes
-        if n > self.caps.max_value_bytes:
-            raise TierFullError(f"{self.name}: value of {n} bytes exceeds max_value_bytes")
-        digest = xxhash.xxh3_64_intdigest(src) if self.verify else 0
         px = None if ttl_s is None else max(1, int(ttl_s * 1000))
         cb = self.chunk_bytes
         for i in range(self._chunks(n)):
@@ -113,13 +109,37 @@ class RedisTier(Tier):
         self.put_many([(key, data)], ttl_s=ttl_s)
 
     def put_many(self, items: Sequence[tuple[bytes, Buffer]], *, ttl_s: float | None = None) -> None:
-        pipe = self._pipe()
-        for key, data in items:
-            self._queue_put(pipe, key, data, ttl_s)
+        """Pipelined in groups of ~GET_GROUP_BYTES; the checksum thread hashes group k+1 while group
+        k is on the wire. A value becomes visible only with its header, written after its chunks."""
+        srcs = [byte_view(d) for _, d in items]
+        for v in srcs:
+            if v.nbytes > self.caps.max_value_bytes:
+                raise TierFullError(f"{self.name}: value of {v.nbytes} bytes exceeds max_value_bytes")
+        groups = _groups(items, GET_GROUP_BYTES)
+
+        def hashed(g: int) -> Future[list[int]]:
+            lo, hi = groups[g]
+            part = srcs[lo:hi]
+            job = functools.partial(checksums.xxh3_each, part) if self.verify else (lambda: [0] * len(part))
+            return checksums.aside(job, sum(v.nbytes for v in part))
+
+        futs: list[Future[list[int]]] = [hashed(0)] if groups else []
         try:
-            pipe.execute()
-        except redis.RedisError as exc:
-            raise _map(self.name, exc) from exc
+            for g, (lo, hi) in enumerate(groups):
+                if g + 1 < len(groups):
+                    futs.append(hashed(g + 1))
+                digests = futs[g].result()
+                pipe = self._pipe()
+                for (key, _), src, digest in zip(items[lo:hi], srcs[lo:hi], digests, strict=True):
+                    self._queue_put(pipe, key, src, digest, ttl_s)
+                try:
+                    pipe.execute()
+                except redis.RedisError as exc:
+                    raise _map(self.name, exc) from exc
+        except BaseException:
+            for f in futs:  # the thread reads the caller's buffers: wait before returning
+                f.exception()
+            raise
 
     # ------------------------------------------------------------------ get
     def _head(self, keys: Sequence[bytes]) -> list[tuple[int, int] | None]:
@@ -161,15 +181,18 @@ class RedisTier(Tier):
             for a, b in _groups(items, GET_GROUP_BYTES):
                 pipe = self._r.pipeline(transaction=False)
                 for key, _ in items[a:b]:
-                    pipe.get(self._k(key))
-                    pipe.get(self._c(key, 0))
+                    if self.cluster:  # redis-py refuses MGET inside a cluster pipeline
+                        pipe.get(self._k(key))
+                        pipe.get(self._c(key, 0))
+                    else:  # one command for header and first chunk (half the commands for small values)
+                        pipe.mget(self._k(key), self._c(key, 0))
                 try:
                     firsts = pipe.execute()
                 except redis.RedisError as exc:
                     raise _map(self.name, exc) from exc
                 singles: list[tuple[int, bytes, memoryview, bytes, int]] = []  # (plan, key, dst, bytes, digest)
                 for j, (key, dst) in enumerate(items[a:b]):
-                    head, chunk0 = firsts[2 * j], firsts[2 * j + 1]
+                    head, chunk0 = (firsts[2 * j], firsts[2 * j + 1]) if self.cluster else firsts[j]
                     if head is None:
                         if raise_missing:
                             raise BlockNotFoundError(f"{self.name}: no block {key.hex()}")

@@ -8,9 +8,11 @@ Keys (hex inside a hash tag, so every part of a value lands on one cluster slot,
 The payload goes out as views of the caller's buffer (no concatenation copy). A put pipelines the
 chunks first and the header last; a delete removes the header first. So a header, which is what
 ``contains`` and ``size_of`` read, is only ever visible with its chunks behind it. A get pipelines
-the header and chunk 0 of every value (one round trip for values of one chunk), fetches further
-chunks in a second round trip, checks length and (``verify=True``) checksum, and copies into the
-caller's buffer; a missing or short chunk (e.g. Redis evicted it under ``maxmemory``) is
+the header and chunk 0 of every value (one ``MGET`` each; one round trip for values of one chunk),
+fetches further chunks in a second round trip, checks length and (``verify=True``) checksum, and
+copies into the caller's buffer. Batches go in pipelines of ~8 MiB, and the tiers' checksum thread
+(:mod:`kvport.tiers.checksums`) hashes a put's next group, or verifies and copies a get's last
+group, while the next one is on the wire; a missing or short chunk (e.g. Redis evicted it under ``maxmemory``) is
 CorruptBlockError and the value is dropped. TTLs (session lifetime) are set on every part with PX.
 Connection failures and timeouts are TierUnavailableError; a Redis out-of-memory answer is
 TierFullError.

@@ -224,8 +224,8 @@ def test_short_vectored_writes_continue_where_they_stopped(tmp_path, monkeypatch
         return real(fd, out, offset)
 
     monkeypatch.setattr(os, "pwritev", short)
-    vals = [bytes([i]) * (2500 + i) for i in range(5)]
-    keys = [bytes([i]) * 16 for i in range(5)]
+    vals = [bytes([i]) * (2500 + i) for i in range(5)] + [b"", b""]  # empty values at the end too
+    keys = [bytes([i]) * 16 for i in range(7)]
     DiskTier(tmp_path, 1 << 20).put_many(list(zip(keys, vals, strict=True)))
     monkeypatch.undo()
     again = DiskTier(tmp_path, 1 << 20)

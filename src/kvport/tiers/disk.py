@@ -482,6 +482,7 @@ def _write_hashing_aside(fd: int, keys: Sequence[bytes], srcs: Sequence[memoryvi
 
 def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
     """Write ``views`` back to back at ``offset`` (a short write continues where it stopped)."""
+    views = [v for v in views if v.nbytes]  # an empty value takes no room
     while views:
         n = os.pwritev(fd, views, offset)
         if n <= 0:

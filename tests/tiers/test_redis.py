@@ -93,4 +93,4 @@ def test_grouped_batched_get_checks_every_value_in_every_group(tier, monkeypatch
     assert got == [len(v) if i != 6 else None for i, v in enumerate(vals)]
     assert all(bytes(o) == v for i, (o, v) in enumerate(zip(outs, vals, strict=True)) if i != 6)
     assert not tier.contains(keys[6])  # dropped, a clean miss from now on
-    assert rt._groups([(k, o) for k, o in zip(keys, outs, strict=True)], 3000)[0] == (0, 2)
+    assert rt.pipeline_groups([len(o) for o in outs], 3000)[0] == (0, 2)

@@ -137,17 +137,11 @@ def raw_redis_gbps(url: str, values: list[memoryview], trials: int = 3,
     ({"set_one_pipeline_gbps", ...}); None for a direction that failed."""
     import redis
 
+    from kvport.tiers.redis_tier import pipeline_groups
+
     nbytes = sum(v.nbytes for v in values)
     names = [f"kvport-raw:{i}".encode() for i in range(len(values))]
-    groups: list[tuple[int, int]] = []
-    a = acc = 0
-    for i, v in enumerate(values):
-        acc += v.nbytes
-        if acc >= group_bytes:
-            groups.append((a, i + 1))
-            a, acc = i + 1, 0
-    if a < len(values):
-        groups.append((a, len(values)))
+    groups = pipeline_groups([v.nbytes for v in values], group_bytes)
     out: dict[str, float | None] = {"set_gbps": None, "get_gbps": None}
     times: dict[str, list[float]] = {"set_one": [], "get_one": [], "set_grouped": [], "get_grouped": []}
     try:

@@ -45,13 +45,18 @@ def aside(fn: Callable[[], T], nbytes: int) -> Future[T]:
     else inline (an already completed future). The caller must wait for it before it lets go of
     the buffers ``fn`` reads."""
     if PARALLEL and nbytes >= ASIDE_MIN_BYTES:
-        return _hasher().submit(fn)
+        return submit(fn)
     fut: Future[T] = Future()
     try:
         fut.set_result(fn())
     except BaseException as exc:  # delivered by result(), as from the thread
         fut.set_exception(exc)
     return fut
+
+
+def submit(fn: Callable[[], T]) -> Future[T]:
+    """``fn()`` on the checksum thread, whatever its size (the caller decided it is worth it)."""
+    return _hasher().submit(fn)
 
 
 def xxh3_each(bufs: Sequence[bytes | memoryview]) -> list[int]:

@@ -464,7 +464,7 @@ def _write_hashing_aside(fd: int, keys: Sequence[bytes], srcs: Sequence[memoryvi
     """Write every value whole while the hasher thread checksums the batch beside it: the two passes
     over the payload run on two cores instead of one after the other. The hasher is waited for
     before this returns, also on error (it reads the caller's buffers)."""
-    fut = checksums.aside(lambda: _digests(keys, srcs), 1 << 62)  # always on the thread (size checked above)
+    fut = checksums.submit(lambda: _digests(keys, srcs))
     try:
         i = 0
         while i < len(srcs):  # the values lie back to back: runs of up to 16 MiB, one pwritev each

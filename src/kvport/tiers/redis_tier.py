@@ -117,7 +117,7 @@ class RedisTier(Tier):
         for v in srcs:
             if v.nbytes > self.caps.max_value_bytes:
                 raise TierFullError(f"{self.name}: value of {v.nbytes} bytes exceeds max_value_bytes")
-        groups = _groups(items, GET_GROUP_BYTES)
+        groups = pipeline_groups([v.nbytes for v in srcs])
 
         def hashed(g: int) -> Future[list[int]]:
             lo, hi = groups[g]
@@ -180,7 +180,7 @@ class RedisTier(Tier):
         plans: list[tuple[bytes, memoryview, int, int | None] | None] = []  # digest None: verified already
         pending: list[Future[list[tuple[int, bytes]]]] = []
         try:
-            for a, b in _groups(items, GET_GROUP_BYTES):
+            for a, b in pipeline_groups([_nbytes(d) for _, d in items]):
                 pipe = self._r.pipeline(transaction=False)
                 for key, _ in items[a:b]:
                     if self.cluster:  # redis-py refuses MGET inside a cluster pipeline
@@ -317,21 +317,27 @@ class RedisTier(Tier):
             self._r.close()
 
 
-GET_GROUP_BYTES = 8 << 20  # a batched get is pipelined in groups of about this many destination bytes
+GET_GROUP_BYTES = 8 << 20  # batched puts and gets are pipelined in groups of about this many value bytes
 
 
-def _groups(items: Sequence[tuple[bytes, Buffer]], group_bytes: int) -> list[tuple[int, int]]:
-    """[a, b) index ranges of consecutive items whose destinations add up to ~group_bytes."""
+def pipeline_groups(sizes: Sequence[int], group_bytes: int | None = None) -> list[tuple[int, int]]:
+    """[a, b) index ranges of consecutive values whose ``sizes`` add up to ~group_bytes: how batches
+    are cut into pipelines (also used by the raw-Redis limit of ``kvport bench tiers``)."""
+    limit = GET_GROUP_BYTES if group_bytes is None else group_bytes
     out: list[tuple[int, int]] = []
     a = acc = 0
-    for i, (_, dst) in enumerate(items):
-        acc += int(getattr(dst, "nbytes", 0) or len(dst))  # type: ignore[arg-type]
-        if acc >= group_bytes:
+    for i, n in enumerate(sizes):
+        acc += n
+        if acc >= limit:
             out.append((a, i + 1))
             a, acc = i + 1, 0
-    if a < len(items):
-        out.append((a, len(items)))
+    if a < len(sizes):
+        out.append((a, len(sizes)))
     return out
+
+
+def _nbytes(buf: Buffer) -> int:
+    return int(getattr(buf, "nbytes", 0) or len(buf))  # type: ignore[arg-type]
 
 
 def _verify_and_copy(singles: list[tuple[int, bytes, memoryview, bytes, int]], verify: bool) -> list[tuple[int, bytes]]:

@@ -108,7 +108,7 @@ class BlockLayout:
         strided copy per run. ``reserve`` must cover them."""
         s = self.spec
         k, rem = divmod(data.nbytes, s.bytes_per_block)
-        if rem or not k or not i >= 0 or i + k > self._cap:
+        if rem or not k or i < 0 or i + k > self._cap:
             raise EngineError(f"{data.nbytes} bytes at block {i} do not fit the landing buffer "
                               f"({self._cap} blocks of {s.bytes_per_block} bytes)")
         with warnings.catch_warnings():

@@ -4,6 +4,11 @@
 belongs to ``keys[i]``. A store raises kvport errors only (``TierError`` family for a missing, corrupt
 or unreachable block, ``CodecError`` for an undecodable one); the engine turns any of them into a
 recompute of the affected tokens.
+
+Optional: a store may also offer ``read_each(keys, fn)``, calling ``fn(i, view)`` with the raw bytes
+of blocks ``i, i+1, ...`` (one or more whole blocks per call, in key order, valid only during the
+call). The engine then copies straight from the store's memory into the cache and skips the staging
+buffer (:class:`~kvport.engines.hf.adapters.StoreBlocks` does this over a host pool).
 """
 
 from __future__ import annotations

@@ -39,8 +39,9 @@ class WeightPrefetcher:
         def pre(module: torch.nn.Module, args: Any) -> None:
             if not self.active:
                 return
-            for j in range(i + 1, min(i + 1 + self._ahead, len(self._params))):
-                if i == 0 or j == i + self._ahead:  # entering layer 0 queues the window, later ones its new end
+            # entering layer 0 queues the whole window, every later layer the window's new end
+            for j in range(1, self._ahead + 1) if i == 0 else (i + self._ahead,):
+                if j < len(self._params):
                     with contextlib.suppress(queue.Full):  # the reader is behind: skip, never block the forward
                         self._q.put_nowait(j)
         return pre

@@ -177,3 +177,29 @@ def test_a_tenant_probing_another_tenants_prefix_gets_misses(tenant_server) -> N
     bob.close()
     with pytest.raises((AuthError, TierUnavailableError)):
         srv.client("bob", TOKENS["alice"], retries=0)
+
+
+def test_put_with_a_corrupt_chunk_in_a_later_group_stores_nothing(shared_server) -> None:  # type: ignore[no-untyped-def]
+    """The server verifies a value group by group as it arrives; a bad chunk after several good
+    groups still leaves no visible block, and the connection stays in sync for the next request."""
+    key = b"corrupt-late-grp"
+    value = np.random.default_rng(3).integers(0, 256, 6 * MiB, dtype=np.uint8).tobytes()
+    wire = bytearray(frame_bytes(encode_frame(MsgType.PUT, {"key": key}, [value[i : i + MiB] for i in
+                                                                          range(0, len(value), MiB)], MiB, corr_id=3)))
+    hdr = decode_header(wire)
+    chunk5 = HEADER_BYTES + hdr.meta_len + 5 * (MiB + 8)  # the last chunk's data
+    wire[chunk5 + 1000] ^= 0xFF
+    s = authed_socket(shared_server.port)
+    s.sendall(bytes(wire))
+    mt, meta = recv_frame(s)
+    assert mt is MsgType.PUT and meta["error"] == "ChecksumError" and "chunk 5" in meta["message"]
+    s.sendall(frame_bytes(encode_frame(MsgType.PING, {}, corr_id=4)))
+    assert recv_frame(s)[0] is MsgType.PING
+    s.close()
+    tier = shared_server.client()
+    assert tier.size_of(key) is None
+    tier.put(key, value)  # the same key is writable afterwards: nothing was left reserved
+    out = bytearray(len(value))
+    assert tier.get_into(key, out) == len(value) and bytes(out) == value
+    tier.delete(key)
+    tier.close()

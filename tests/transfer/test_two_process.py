@@ -60,7 +60,8 @@ def _block_table_receiver(t: Any) -> tuple[Receiver, np.ndarray]:
     return rx, dst
 
 
-@pytest.mark.parametrize(("kind", "mode"), [("tcp", "ok"), ("shm", "ok"), ("shm", "registered")])
+@pytest.mark.parametrize(("kind", "mode"), [("tcp", "ok"), ("tcp", "registered-digests"), ("shm", "ok"),
+                                           ("shm", "registered"), ("shm", "registered-digests")])
 def test_kv_between_two_processes(kind: str, mode: str) -> None:
     lst = _listener(kind)
     with child(peers.sender_main, kind, _where(lst), mode) as (_, q):
@@ -73,6 +74,25 @@ def test_kv_between_two_processes(kind: str, mode: str) -> None:
         assert q.get(timeout=20) == ("ok", "committed")
         assert np.array_equal(dst, peers.source())
         assert inc.meta.request_id == f"req-{mode}" and inc.meta.token_range == (0, peers.N_BLOCKS * 16)
+        if kind == "shm":  # registered KV travels as one described payload per LAYER frame, copied natively
+            assert t.described_payloads == (peers.SPEC.num_layers if mode.startswith("registered") else 0)
+        rx.close()
+    lst.close()
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_a_wrong_producer_digest_fails_the_transfer_and_links_nothing(kind: str) -> None:
+    """Checksums the producer computed travel as they are: one that does not match its bytes makes
+    the receiver abort (ChecksumError on both sides), whatever the transport."""
+    lst = _listener(kind)
+    with child(peers.sender_main, kind, _where(lst), "registered-bad-digest") as (_, q):
+        t = _accept(kind, lst)
+        rx, _ = _block_table_receiver(t)
+        inc = rx.next_transfer(timeout=20)
+        with pytest.raises(ChecksumError, match="layer 1 blocks \\[3\\]"):
+            inc.wait(timeout=20)
+        assert q.get(timeout=20)[0] == "ChecksumError"
+        assert inc.state.value == "aborted"
         rx.close()
     lst.close()
 

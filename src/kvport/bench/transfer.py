@@ -11,8 +11,11 @@ Fair comparisons (same process layout, same bytes, same buffers, trials interlea
   sides; with more than two CPUs the hashing overlaps the socket calls, see ``transfer.framing``). The generic
   ``bench.limits.raw_socket_gbps`` (4 MiB reused receive buffer) is reported beside it.
 * Shared memory: the producer's KV lives in memory registered with the transport (one copy in all:
-  the receiver copies into its block table); ``shm_vs_memcpy`` compares with numpy memcpy of the
-  same bytes (from those shared pages into private memory, interleaved trials), and
+  the receiver copies and verifies it into its block table, see ``transfer.shm``). The producer
+  computed the chunks' checksums once, for the KV it wrote there (``shm_producer_digest_s``, over
+  the KV at rest: an upper bound of hashing it as it is written); ``shm_hash_at_send_*`` is the
+  same transfer with the sender hashing every chunk at each send. ``shm_vs_memcpy`` compares with
+  numpy memcpy of the same bytes (from those shared pages into private memory, interleaved trials), and
   ``shm_vs_memcpy_limit`` with ``bench.limits.memcpy_gbps`` (private, huge-page backed buffers; tmpfs
   here has no transparent huge pages). The unregistered path (copy in, copy out through the ring)
   is reported as ``shm_ring_copy_*``.
@@ -31,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from kvport import memops
 from kvport.bench.harness import Report, SuiteOptions, conditions, finish, gbps, ratio
 from kvport.bench.limits import memcpy_gbps, raw_socket_gbps
 from kvport.spec import KVSpec, from_preset
@@ -156,26 +160,32 @@ def _shm(nbytes: int, trials: int) -> dict[str, Any]:
         plain = np.ones((nb, spec.bytes_per_block), dtype=np.uint8)
         copy_dst = np.zeros_like(plain)
         reg_views, plain_views = _layer_views(reg, spec), _layer_views(plain, spec)
+        t0 = time.perf_counter()  # the producer's checksums, computed once for the KV it wrote
+        digests = [memops.xxh3_many(v) for v in reg_views]
+        digest_s = time.perf_counter() - t0
         meta = TransferMeta(spec, "bench", _keys(nb))
-        mc_t: list[float] = []
-        reg_t: list[float] = []
-        ring_t: list[float] = []
+        times: dict[str, list[float]] = {"memcpy": [], "shm": [], "hash_at_send": [], "ring": []}
         for r in range(trials + 1):
             t0 = time.perf_counter()
             np.copyto(copy_dst, reg)  # memcpy of the same bytes: from the shared pages to private memory
             t1 = time.perf_counter()
-            sender.send(meta, lambda layer: reg_views[layer])
+            sender.send(meta, lambda layer: reg_views[layer], layer_digests=lambda layer: digests[layer])
             t2 = time.perf_counter()
-            sender.send(meta, lambda layer: plain_views[layer])
+            sender.send(meta, lambda layer: reg_views[layer])
             t3 = time.perf_counter()
+            sender.send(meta, lambda layer: plain_views[layer])
+            t4 = time.perf_counter()
             if r:
-                mc_t.append(t1 - t0)
-                reg_t.append(t2 - t1)
-                ring_t.append(t3 - t2)
+                for k, dt in (("memcpy", t1 - t0), ("shm", t2 - t1), ("hash_at_send", t3 - t2), ("ring", t4 - t3)):
+                    times[k].append(dt)
         sender.close()
-    return {"memcpy_same_run_gbps": _median_gbps(nbytes, mc_t), "shm_gbps": _median_gbps(nbytes, reg_t),
-            "shm_median_s": statistics.median(reg_t), "shm_ring_copy_gbps": _median_gbps(nbytes, ring_t),
-            "shm_trials_s": reg_t, "memcpy_trials_s": mc_t}
+    return {"memcpy_same_run_gbps": _median_gbps(nbytes, times["memcpy"]),
+            "shm_gbps": _median_gbps(nbytes, times["shm"]),
+            "shm_median_s": statistics.median(times["shm"]),
+            "shm_hash_at_send_gbps": _median_gbps(nbytes, times["hash_at_send"]),
+            "shm_ring_copy_gbps": _median_gbps(nbytes, times["ring"]), "producer_digest_s": digest_s,
+            "shm_trials_s": times["shm"], "hash_at_send_trials_s": times["hash_at_send"],
+            "memcpy_trials_s": times["memcpy"]}
 
 
 def run(opts: SuiteOptions) -> Report:
@@ -186,7 +196,10 @@ def run(opts: SuiteOptions) -> Report:
     cond = conditions(model=spec.model_id, dtype=spec.dtype.value, block_size=spec.block_size,
                       chunk_bytes=spec.bytes_per_layer_block, frame_bytes=_FRAME, shm_frame_bytes=_SHM_FRAME,
                       raw_chunk_bytes=_RAW_CHUNK, link="tcp 127.0.0.1 / shm same host", threads=1,
-                      process_layout="parent sends, spawned child receives")
+                      process_layout="parent sends, spawned child receives",
+                      shm_sender_checksums="shm_*: computed once by the producer for the KV it wrote into registered "
+                                           "memory (results.shm_producer_digest_s, at rest, not per send); "
+                                           "shm_hash_at_send_*: the sender hashes every chunk on every send")
     nbytes = int(opts.extra.get("mib", 64 if opts.quick else 256)) << 20
     trials = int(opts.extra.get("trials", 2 if opts.quick else 5))
     overload_s = opts.extra.get("overload_s")
@@ -212,11 +225,16 @@ def run(opts: SuiteOptions) -> Report:
         "shm_gbps": sh["shm_gbps"],
         "shm_vs_memcpy": ratio(sh["shm_gbps"], sh["memcpy_same_run_gbps"]),
         "shm_vs_memcpy_limit": ratio(sh["shm_gbps"], limits["memcpy_gbps"]),
+        "shm_hash_at_send_gbps": sh["shm_hash_at_send_gbps"],
+        "shm_hash_at_send_vs_memcpy": ratio(sh["shm_hash_at_send_gbps"], sh["memcpy_same_run_gbps"]),
+        "shm_producer_digest_s": round(sh["producer_digest_s"], 4),
+        "shm_native_copy": memops.NATIVE,
         "shm_ring_copy_gbps": sh["shm_ring_copy_gbps"],
         "shm_ring_copy_vs_memcpy": ratio(sh["shm_ring_copy_gbps"], sh["memcpy_same_run_gbps"]),
         "shm_time": {"measured_s": round(sh["shm_median_s"], 4),
                      "ideal_s": round(nbytes / mc_bps, 4) if mc_bps else None,
                      "trials_s": [round(x, 4) for x in sh["shm_trials_s"]],
+                     "hash_at_send_trials_s": [round(x, 4) for x in sh["hash_at_send_trials_s"]],
                      "memcpy_trials_s": [round(x, 4) for x in sh["memcpy_trials_s"]]},
         "layerwise": layerwise_overlap(quick=opts.quick),
     }

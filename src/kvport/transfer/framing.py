@@ -37,8 +37,9 @@ from typing import Any
 
 import xxhash
 
+from kvport import memops
 from kvport.errors import PeerError, ProtocolError
-from kvport.transfer.transport import Buffer, Transport
+from kvport.transfer.transport import Buffer, DescribedPayloads, Transport
 from kvport.transfer.wire import (
     CHECKSUM,
     CHECKSUM_BYTES,
@@ -104,12 +105,20 @@ class FrameIO:
         self._hdr = bytearray(HEADER_BYTES)
         self._meta = bytearray(4096)
         self._trailers = bytearray(CHECKSUM_BYTES * 1024)
+        self._described = transport if isinstance(transport, DescribedPayloads) else None
 
     # ------------------------------------------------------------------ write
     def send(self, msg_type: MsgType, meta: dict[str, Any] | None = None, chunks: Sequence[Buffer] = (),
-             chunk_size: int | None = None, flags: Flags = Flags.NONE, corr_id: int = 0) -> int:
+             chunk_size: int | None = None, flags: Flags = Flags.NONE, corr_id: int = 0,
+             digests: bytes | None = None) -> int:
         """Write one frame; the payload goes out in ~batch_bytes pieces. Batch k+1 is hashed by a
-        worker while batch k is in the transport; a single-batch payload is hashed inline."""
+        worker while batch k is in the transport; a single-batch payload is hashed inline.
+
+        ``digests``: the chunks' checksums (u64 LE xxh3-64, 8 bytes a chunk) when the producer already
+        computed them (when it wrote the chunks, still in cache); they go on the wire as they are, so a
+        wrong one makes the receiver refuse that chunk, never accept wrong bytes."""
+        if digests is not None and len(digests) != CHECKSUM_BYTES * len(chunks):
+            raise ProtocolError(f"{len(chunks)} chunks but {len(digests)} digest bytes")
         sizes = [c.nbytes if isinstance(c, memoryview) else len(c) for c in chunks]
         payload_len = sum(sizes)
         cs = 0 if not payload_len else (chunk_size if chunk_size is not None else sizes[0])
@@ -124,8 +133,21 @@ class FrameIO:
                 bounds.append((start, i + 1))
                 start, pending = i + 1, 0
         head = encode_header(msg_type, encode_meta(meta or {}), payload_len, cs, flags, corr_id)
+        described = self._described
+        plan = described.describe(chunks, cs) if described is not None and chunks else None
+        if described is not None and plan is not None:  # the peer maps these chunks: one message for all
+            described.send_described(head, plan, digests if digests is not None else memops.xxh3_many(chunks))
+            return payload_len
+        parts: list[Buffer] = [head]
+        if digests is not None:
+            known = memoryview(digests)
+            for a, b in bounds or [(0, 0)]:
+                for i in range(a, b):
+                    parts += (chunks[i], known[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES])
+                self.t.send(parts)
+                parts = []
+            return payload_len
         if len(bounds) <= 1 or not self.overlap:  # inline: hash a batch, then send it while it is in cache
-            parts: list[Buffer] = [head]
             for a, b in bounds or [(0, 0)]:
                 for c, tr in zip(chunks[a:b], _trailers(chunks[a:b]), strict=True):
                     parts.append(c)
@@ -177,6 +199,13 @@ class FrameIO:
         tr = memoryview(self._trailers)
         cs, last = hdr.chunk_size, n - 1
         last_len = hdr.payload_len - last * cs if n else 0
+        for i, v in enumerate(views):
+            if v.nbytes != (cs if i < last else last_len):
+                raise ProtocolError(f"chunk {i}: buffer of {v.nbytes} bytes for {cs if i < last else last_len}")
+        if self._described is not None and n:
+            described = self._described.recv_described_into(views, tr, cs, hdr.payload_len)
+            if described is not None:
+                return sorted(described)
         parts: list[memoryview] = []
         first = pending = 0
         futs: list[Future[list[int]]] = []
@@ -184,8 +213,6 @@ class FrameIO:
         try:
             for i, v in enumerate(views):
                 want = cs if i < last else last_len
-                if v.nbytes != want:
-                    raise ProtocolError(f"chunk {i}: buffer of {v.nbytes} bytes for {want}")
                 parts.append(v)
                 parts.append(tr[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES])
                 pending += want

@@ -208,15 +208,22 @@ class Sender:
         self._wait(h, lambda: h.state is OutState.ACCEPTED, timeout_s, "answer to TRANSFER_BEGIN")
         return h
 
-    def send_layer(self, h: Outgoing, layer: int, blocks: Sequence[Buffer]) -> None:
-        """Send layer ``layer`` of every block (``blocks[i]``: that layer's bytes of block i)."""
+    def send_layer(self, h: Outgoing, layer: int, blocks: Sequence[Buffer], digests: bytes | None = None) -> None:
+        """Send layer ``layer`` of every block (``blocks[i]``: that layer's bytes of block i).
+
+        ``digests``: the blocks' checksums for this layer, 8 bytes each (``kvport.memops.xxh3_many``),
+        when the producer computed them as it wrote the KV (raw links only: a codec link hashes what it
+        encoded). Without them the sender hashes each chunk as it goes out."""
         if layer not in h.meta.layers or layer in h.layers_sent:
             raise TransferError(f"layer {layer} not in {h.meta.layers} or sent twice")
         if len(blocks) != h.meta.n_blocks:
             raise TransferError(f"{len(blocks)} block views for {h.meta.n_blocks} blocks")
         lb = h.meta.block_layer_bytes
+        if digests is not None and len(digests) != 8 * len(blocks):
+            raise TransferError(f"{len(digests)} digest bytes for {len(blocks)} blocks")
         if h.link is not None:
             blocks = self._encode_layer(h.link, layer, blocks)
+            digests = None
         per_frame = max(1, self.max_frame_bytes // lb)
         i = 0
         try:
@@ -229,7 +236,8 @@ class Sender:
                     k = max(1, min(k, self.window.available // lb))
                 self.window.consume(k * lb)
                 with self._wlock:
-                    self.io.send(MsgType.LAYER, {"tid": h.tid, "layer": layer, "b0": i}, blocks[i : i + k], lb)
+                    self.io.send(MsgType.LAYER, {"tid": h.tid, "layer": layer, "b0": i}, blocks[i : i + k], lb,
+                                 digests=None if digests is None else digests[8 * i : 8 * (i + k)])
                 h.sent_bytes += k * lb
                 SENT_BYTES.labels(transport=self.t.name).inc(k * lb)
                 i += k
@@ -287,11 +295,12 @@ class Sender:
             pass  # the connection is gone; the receiver aborts on EOF
 
     def send(self, meta: TransferMeta, layer_blocks: Callable[[int], Sequence[Buffer]],
-             timeout_s: float | None = 60.0) -> Outgoing:
-        """Whole transfer: begin, every layer in order (``layer_blocks(l)``), end."""
+             timeout_s: float | None = 60.0, layer_digests: Callable[[int], bytes] | None = None) -> Outgoing:
+        """Whole transfer: begin, every layer in order (``layer_blocks(l)``, with the producer's
+        ``layer_digests(l)`` when it has them, see :meth:`send_layer`), end."""
         h = self.begin(meta, timeout_s)
         for layer in meta.layers:
-            self.send_layer(h, layer, layer_blocks(layer))
+            self.send_layer(h, layer, layer_blocks(layer), None if layer_digests is None else layer_digests(layer))
         self.end(h, timeout_s)
         return h
 

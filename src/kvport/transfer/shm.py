@@ -17,6 +17,17 @@ buffer sends it as descriptors (DESC region/offset/nbytes); the receiver copies 
 into its own buffers -- one copy in all, like NIXL registered memory. Such buffers must stay
 unchanged until the transfer is committed (``Sender.end`` returned). Parts under 64 KiB always go
 through the ring. EOF or a timeout on the control socket is a PeerError.
+
+Described payloads (:meth:`describe` / :meth:`send_described`, used by
+:class:`~kvport.transfer.framing.FrameIO`): when every chunk of a frame lies in one registered
+region, the whole payload travels as one PAYLOAD control message -- the chunks' offsets and their
+checksums -- and the receiver copies and verifies all of them in one native call
+(:func:`kvport.memops.copy_verify`: non-temporal stores, hashing exactly the bytes it wrote, on
+``copy_threads`` threads, GIL released)::
+
+    PAYLOAD  <BxHIQ (7, region, n_chunks, payload_len) | <Q chunk_size | n x <Q offset | n x <Q xxh3_64
+
+To any other reader it is the same stream bytes as ``[chunk 0][checksum 0][chunk 1]...``.
 """
 
 from __future__ import annotations
@@ -33,14 +44,19 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from kvport import memops
 from kvport.errors import PeerError
 from kvport.transfer.transport import Buffer, as_byte_views
 
 _CTRL = struct.Struct("<BxHIQ")  # kind, slot/region, nbytes, offset
-_FILLED, _FREED, _DESC, _REG, _MAPPED = 1, 2, 3, 5, 6
+_FILLED, _FREED, _DESC, _REG, _MAPPED, _PAYLOAD = 1, 2, 3, 5, 6, 7
+_INLINE = 8  # (receiver only) stream bytes held in the queue item itself: an expanded PAYLOAD's checksums
+_MAX_PAYLOAD_CHUNKS = 1 << 20  # the wire's Limits.max_chunks: caps a PAYLOAD message at 16 MiB
+_Q = struct.Struct("<Q")
 _NAME_BYTES = 64
 _DESC_MIN = 64 << 10  # smaller parts are copied through the ring
 _HELLO = struct.Struct("<HII")  # name length, slot_bytes, n_slots
@@ -117,10 +133,40 @@ class _Segment:
             self.map.close()
 
 
+@dataclass(frozen=True, slots=True)
+class Described:
+    """A frame payload out of one registered region: chunk ``i`` is ``lens[i]`` bytes at
+    ``offsets[i]``, its checksum ``digests[8i:8i+8]`` (what :meth:`ShmTransport.describe` plans
+    and a PAYLOAD message carries)."""
+
+    region: int
+    chunk_size: int
+    payload_len: int
+    offsets: np.ndarray  # u64, one per chunk
+    digests: bytes = b""
+
+    @property
+    def n_chunks(self) -> int:
+        return int(self.offsets.size)
+
+    def chunk_len(self, i: int) -> int:
+        return min(self.chunk_size, self.payload_len - i * self.chunk_size)
+
+    @property
+    def stream_bytes(self) -> int:
+        return self.payload_len + 8 * self.n_chunks
+
+
+_Item = tuple[int, int, int, int]  # (kind, region or blob id, position, nbytes) of the incoming stream
+
+
 class ShmTransport:
     def __init__(self, ctrl: socket.socket, slot_bytes: int = 1 << 20, n_slots: int = 8,
-                 timeout_s: float | None = 30.0) -> None:
+                 timeout_s: float | None = 30.0, copy_threads: int | None = None) -> None:
+        """``copy_threads``: threads the receiver copies a described payload with (default: up to
+        two, one per CPU; the copy out of registered memory is bound by one core's memory streams)."""
         self.name = "shm"
+        self.copy_threads = max(1, min(2, os.cpu_count() or 1)) if copy_threads is None else copy_threads
         self.ctrl = ctrl
         self.timeout_s = timeout_s
         ctrl.settimeout(timeout_s)
@@ -146,8 +192,11 @@ class ShmTransport:
         # sender: bytes written into my ring (head), published to the peer, freed by the peer
         self._head = self._published = self._freed = 0
         # receiver: incoming stream in order: (kind, region, position, nbytes); bytes consumed / acked
-        self._ready: collections.deque[tuple[int, int, int, int]] = collections.deque()
-        self._cur_in: tuple[int, int, int, int] | None = None
+        self._ready: collections.deque[_Item | Described] = collections.deque()
+        self._cur_in: _Item | None = None
+        self._blobs: dict[int, bytes] = {}  # _INLINE items' bytes, by id (an expanded PAYLOAD's checksums)
+        self._blob_ids = 0
+        self.described_payloads = 0  # payloads received by the one-call copy + verify
         self._cur_in_off = 0
         self._consumed = self._acked = 0
         self._regions: list[tuple[int, int, _Segment]] = []  # my registered memory: (address, size, segment)
@@ -174,8 +223,8 @@ class ShmTransport:
         self._ctrl_send(_CTRL.pack(_REG, rid, len(name), nbytes) + name.ljust(_NAME_BYTES, b"\0"), "register")
         return seg.mv
 
-    def _region_of(self, v: memoryview) -> tuple[int, int] | None:
-        if not self._regions or v.nbytes < _DESC_MIN:
+    def _region_of(self, v: memoryview, min_bytes: int = _DESC_MIN) -> tuple[int, int] | None:
+        if not self._regions or v.nbytes < min_bytes:
             return None
         addr = _address(v)
         for rid, (base, size, _) in enumerate(self._regions):
@@ -210,6 +259,15 @@ class ShmTransport:
                 self._on_reg(ident, raw.decode("ascii", "replace"), pos)
                 off += _CTRL.size + _NAME_BYTES
                 continue
+            if kind == _PAYLOAD:
+                need = _CTRL.size + 8 + 16 * nb
+                if nb == 0 or nb > _MAX_PAYLOAD_CHUNKS:
+                    raise PeerError(f"shm: PAYLOAD of {nb} chunks (1..{_MAX_PAYLOAD_CHUNKS})")
+                if len(self._rbuf) - off < need:
+                    break
+                self._ready.append(self._on_payload(ident, nb, pos, off + _CTRL.size))
+                off += need
+                continue
             off += _CTRL.size
             if kind == _FILLED and nb > 0 and pos + nb <= self.in_ring_bytes:
                 self._ready.append((_FILLED, 0, pos, nb))
@@ -223,6 +281,19 @@ class ShmTransport:
                 raise PeerError(f"shm: bad control message kind={kind} id={ident} n={nb} off={pos}")
         del self._rbuf[:off]
         return True
+
+    def _on_payload(self, rid: int, n: int, payload_len: int, at: int) -> Described:
+        """Check a PAYLOAD message against the region it names before anything is copied."""
+        (cs,) = _Q.unpack_from(self._rbuf, at)
+        seg = self._peer_regions.get(rid)
+        if seg is None or cs == 0 or not (n - 1) * cs < payload_len <= n * cs:
+            raise PeerError(f"shm: bad PAYLOAD region={rid} chunks={n} chunk_size={cs} payload={payload_len}")
+        offsets = np.frombuffer(self._rbuf, dtype="<u8", count=n, offset=at + 8).copy()
+        digests = bytes(self._rbuf[at + 8 + 8 * n : at + 8 + 16 * n])
+        d = Described(rid, cs, payload_len, offsets, digests)
+        if int(offsets[-1]) > seg.size - d.chunk_len(n - 1) or (n > 1 and int(offsets[:-1].max()) > seg.size - cs):
+            raise PeerError(f"shm: PAYLOAD chunks outside region {rid} ({seg.size} bytes)")
+        return d
 
     def _on_reg(self, rid: int, name: str, size: int) -> None:
         if rid in self._peer_regions or size > (1 << 40):
@@ -277,30 +348,69 @@ class ShmTransport:
         """Copy parts into the ring (or describe registered ones); returns once all are announced.
         Registered buffers must stay unchanged until the transfer commits (the peer copies later)."""
         with self._send_lock:
-            rb = self.ring_bytes
-            for v in as_byte_views(parts):
-                reg = self._region_of(v)
-                if reg is not None:  # zero-copy: the peer copies straight from my registered memory
-                    self._publish()
-                    self._txq += _CTRL.pack(_DESC, reg[0], v.nbytes, reg[1])
-                    continue
-                off = 0
-                while off < v.nbytes:
-                    space = rb - (self._head - self._freed)
-                    if space == 0:
-                        self._publish()
-                        self._flush()
-                        self._wait(lambda: self._head - self._freed < rb, "send")
-                        continue
-                    pos = self._head % rb
-                    n = min(v.nbytes - off, space, rb - pos)
-                    self._out_mv[pos : pos + n] = v[off : off + n]
-                    off += n
-                    self._head += n
-                    if self._head - self._published >= rb // 4:
-                        self._publish()
-                        self._flush()
+            self._write(parts)
             self._publish()
+            self._flush()
+
+    def _write(self, parts: Sequence[Buffer]) -> None:
+        """Copy ``parts`` into the ring (or describe registered ones); the caller holds the send lock,
+        then publishes and flushes."""
+        rb = self.ring_bytes
+        for v in as_byte_views(parts):
+            reg = self._region_of(v)
+            if reg is not None:  # zero-copy: the peer copies straight from my registered memory
+                self._publish()
+                self._txq += _CTRL.pack(_DESC, reg[0], v.nbytes, reg[1])
+                continue
+            off = 0
+            while off < v.nbytes:
+                space = rb - (self._head - self._freed)
+                if space == 0:
+                    self._publish()
+                    self._flush()
+                    self._wait(lambda: self._head - self._freed < rb, "send")
+                    continue
+                pos = self._head % rb
+                n = min(v.nbytes - off, space, rb - pos)
+                self._out_mv[pos : pos + n] = v[off : off + n]
+                off += n
+                self._head += n
+                if self._head - self._published >= rb // 4:
+                    self._publish()
+                    self._flush()
+
+    def describe(self, chunks: Sequence[Buffer], chunk_size: int) -> Described | None:
+        """The plan to send ``chunks`` as one PAYLOAD, when every one lies in a single registered
+        region (else None: the frame goes through :meth:`send`)."""
+        if not self._regions or not chunks:
+            return None
+        views = as_byte_views(chunks)
+        if len(views) != len(chunks) or len(views) > _MAX_PAYLOAD_CHUNKS:
+            return None
+        first = self._region_of(views[0], 1)
+        if first is None:
+            return None
+        rid = first[0]
+        base, size, _ = self._regions[rid]
+        addrs = np.fromiter((_address(v) for v in views), dtype=np.int64, count=len(views)) - base
+        ends = addrs + np.fromiter((v.nbytes for v in views), dtype=np.int64, count=len(views))
+        if int(addrs.min()) < 0 or int(ends.max()) > size:
+            return None
+        return Described(rid, chunk_size, int(sum(v.nbytes for v in views)), addrs.astype("<u8"))
+
+    def send_described(self, head: Buffer, plan: Described, digests: bytes) -> None:
+        """``head`` through the ring, then the payload as one PAYLOAD message (offsets + checksums);
+        the receiver copies the chunks out of the registered region (which must stay unchanged until
+        the transfer commits)."""
+        if len(digests) != 8 * plan.n_chunks:
+            raise PeerError(f"shm: {plan.n_chunks} chunks but {len(digests)} checksum bytes")
+        with self._send_lock:
+            self._write([head])
+            self._publish()
+            self._txq += _CTRL.pack(_PAYLOAD, plan.region, plan.n_chunks, plan.payload_len)
+            self._txq += _Q.pack(plan.chunk_size)
+            self._txq += plan.offsets.astype("<u8", copy=False).tobytes()
+            self._txq += digests
             self._flush()
 
     def _flush(self) -> None:
@@ -322,20 +432,43 @@ class ShmTransport:
                 self._peer_gone = True  # what it already published is still readable; EOF comes next
             self._acked = self._consumed
 
+    def _next_item(self) -> _Item | Described:
+        if not self._ready:
+            self._ack()  # never block while holding the sender's ring space
+            self._wait(lambda: bool(self._ready), "receive")
+        return self._ready.popleft()
+
+    def _expand(self, d: Described) -> None:
+        """Turn a PAYLOAD into the stream items it stands for (for a reader that wants plain bytes)."""
+        blob = self._blob_ids
+        self._blob_ids += 1
+        self._blobs[blob] = d.digests
+        items: list[_Item] = []
+        for i, o in enumerate(d.offsets.tolist()):
+            items += ((_DESC, d.region, o, d.chunk_len(i)), (_INLINE, blob, 8 * i, 8))
+        self._ready.extendleft(reversed(items))
+
     def recv_into(self, parts: Sequence[memoryview]) -> None:
         for v in as_byte_views(parts):
             off = 0
             while off < v.nbytes:
                 if self._cur_in is None:
-                    if not self._ready:
-                        self._ack()  # never block while holding the sender's ring space
-                        self._wait(lambda: bool(self._ready), "receive")
-                    self._cur_in, self._cur_in_off = self._ready.popleft(), 0
+                    item = self._next_item()
+                    if isinstance(item, Described):
+                        self._expand(item)
+                        continue
+                    self._cur_in, self._cur_in_off = item, 0
                 kind, ident, pos, length = self._cur_in
                 n = min(v.nbytes - off, length - self._cur_in_off)
                 base = pos + self._cur_in_off
-                src = self._in_mv if kind == _FILLED else self._peer_regions[ident].mv
-                v[off : off + n] = src[base : base + n]
+                if kind == _INLINE:
+                    blob = self._blobs[ident]
+                    v[off : off + n] = blob[base : base + n]
+                    if base + n == len(blob):
+                        del self._blobs[ident]
+                else:
+                    src = self._in_mv if kind == _FILLED else self._peer_regions[ident].mv
+                    v[off : off + n] = src[base : base + n]
                 off += n
                 self._cur_in_off += n
                 if kind == _FILLED:
@@ -344,6 +477,29 @@ class ShmTransport:
                     self._cur_in = None
         if self._consumed - self._acked >= self.in_ring_bytes // 4:
             self._ack()
+
+    def recv_described_into(self, views: Sequence[memoryview], trailers: memoryview, chunk_size: int,
+                            payload_len: int) -> list[int] | None:
+        """When the next stream bytes are one PAYLOAD of this shape (``len(views)`` chunks of
+        ``chunk_size``, ``payload_len`` in all; the caller checked each view's length against it):
+        copy and verify every chunk in one native call, put the checksums into ``trailers`` and
+        return the indexes that failed. Otherwise consume nothing and return None."""
+        if self._cur_in is not None:
+            return None
+        if not self._ready:
+            self._ack()
+            self._wait(lambda: bool(self._ready), "receive")
+        d = self._ready[0]
+        if not isinstance(d, Described) or d.n_chunks != len(views) or d.chunk_size != chunk_size \
+                or d.payload_len != payload_len or trailers.nbytes < 8 * d.n_chunks:
+            return None
+        self._ready.popleft()
+        self.described_payloads += 1
+        trailers[: 8 * d.n_chunks] = d.digests
+        try:
+            return memops.copy_verify(views, self._peer_regions[d.region].mv, d.offsets, d.digests, self.copy_threads)
+        except ValueError as exc:  # bounds were checked on arrival: a view that does not fit its chunk
+            raise PeerError(f"shm: described payload does not fit: {exc}") from exc
 
     def readable(self, timeout: float) -> bool:
         try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from kvport.errors import ConfigError
 
@@ -32,6 +32,25 @@ class Transport(Protocol):
         """True when at least one byte (or EOF) can be read without blocking, within ``timeout``."""
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class DescribedPayloads(Protocol):
+    """A transport that can carry a frame's whole payload as descriptors of memory the peer has
+    mapped (shared memory): :class:`~kvport.transfer.framing.FrameIO` offers it every payload.
+
+    ``describe`` says whether it can (a plan, or None: send as plain stream bytes);
+    ``send_described`` writes the frame head and the described payload with its checksums;
+    ``recv_described_into`` copies and verifies a described payload into the caller's views and
+    returns the failed chunk indexes, or None when the next bytes are not one such payload (nothing
+    consumed; read them with ``recv_into``). The stream bytes are the same either way."""
+
+    def describe(self, chunks: Sequence[Buffer], chunk_size: int) -> Any | None: ...
+
+    def send_described(self, head: Buffer, plan: Any, digests: bytes) -> None: ...
+
+    def recv_described_into(self, views: Sequence[memoryview], trailers: memoryview, chunk_size: int,
+                            payload_len: int) -> list[int] | None: ...
 
 
 def nbytes(parts: Sequence[Buffer]) -> int:

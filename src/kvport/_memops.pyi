@@ -1,0 +1,6 @@
+from collections.abc import Sequence
+
+from typing_extensions import Buffer
+
+def copy_verify(dsts: Sequence[Buffer], src: Buffer, offsets: Buffer, want: Buffer, threads: int) -> list[int]: ...
+def xxh3_many(bufs: Sequence[Buffer], out: Buffer) -> None: ...

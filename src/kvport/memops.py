@@ -1,0 +1,83 @@
+"""Memory kernels of the hot paths: the native ones (:mod:`kvport._memops`, C, built at install time
+when a compiler and Debian's ``libxxhash-dev`` are there) or numpy + python-xxhash fallbacks that
+give the same results, slower.
+
+- :func:`xxh3_many`: the xxh3-64 digest of each buffer, packed u64 little-endian (the wire's chunk
+  trailers), in one call with the GIL released.
+- :func:`copy_verify`: copy chunks out of one source buffer (a peer's registered shared memory)
+  into the caller's buffers and say which ones do not match their expected digest. Native: what is
+  hashed is exactly what was written, the stores bypass the cache, and the chunks are split over
+  ``threads`` threads (``kvport bench transfer`` measures it against memcpy of the same bytes).
+
+Errors are ``ValueError`` (a length or offset outside the source); callers map them into kvport's
+exception tree at their boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+
+import numpy as np
+import xxhash
+
+_native: ModuleType | None
+try:
+    from kvport import _memops as _native
+except ImportError:  # not built here (no compiler / xxhash.h / AVX2): the fallbacks below
+    _native = None
+
+NATIVE = _native is not None
+
+Buffer = bytes | bytearray | memoryview
+
+
+def xxh3_many(bufs: Sequence[Buffer]) -> bytes:
+    """``xxh3_64(bufs[i])`` as u64 LE at ``[8i, 8i+8)``."""
+    if _native is None:
+        return xxh3_many_py(bufs)
+    out = bytearray(8 * len(bufs))
+    _native.xxh3_many(bufs, out)
+    return bytes(out)
+
+
+def xxh3_many_py(bufs: Sequence[Buffer]) -> bytes:
+    """The fallback of :func:`xxh3_many` (and its reference in the tests)."""
+    return np.fromiter((xxhash.xxh3_64_intdigest(b) for b in bufs), dtype="<u8", count=len(bufs)).tobytes()
+
+
+def copy_verify(dsts: Sequence[memoryview], src: Buffer, offsets: np.ndarray, want: Buffer,
+                threads: int = 1) -> list[int]:
+    """``dsts[i][:] = src[offsets[i] : offsets[i] + len(dsts[i])]`` for every i; returns the indexes
+    whose copied bytes' xxh3-64 differs from ``want[8i:8i+8]`` (u64 LE). Every chunk is copied, bad
+    ones too (the caller must not link those). ``offsets``: u64 array, one per destination. A chunk
+    outside ``src`` is a ValueError before anything is copied."""
+    off = np.ascontiguousarray(offsets, dtype="<u8")
+    if off.shape != (len(dsts),) or len(want) != 8 * len(dsts):
+        raise ValueError(f"{len(dsts)} destinations, {off.size} offsets, {len(want)} digest bytes")
+    size = memoryview(src).nbytes
+    lens = np.fromiter((d.nbytes for d in dsts), dtype=np.uint64, count=len(dsts))
+    outside = np.flatnonzero((off > size) | (lens > size - np.minimum(off, size)))
+    if outside.size:  # checked for every chunk before any is copied
+        i = int(outside[0])
+        raise ValueError(f"chunk {i}: [{int(off[i])}, +{int(lens[i])}) is outside the {size}-byte source")
+    if _native is not None:
+        out: list[int] = _native.copy_verify(dsts, src, off.data, want, threads)
+        return out
+    return copy_verify_py(dsts, src, off, want)
+
+
+def copy_verify_py(dsts: Sequence[memoryview], src: Buffer, offsets: np.ndarray, want: Buffer) -> list[int]:
+    """The fallback of :func:`copy_verify` (and its reference in the tests): one thread, memcpy."""
+    off = np.ascontiguousarray(offsets, dtype="<u8")
+    s = memoryview(src).cast("B")
+    expect = np.frombuffer(want, dtype="<u8")
+    bad: list[int] = []
+    for i, (d, o) in enumerate(zip(dsts, off.tolist(), strict=True)):
+        n = d.nbytes
+        if o + n > s.nbytes:
+            raise ValueError(f"chunk {i}: [{o}, +{n}) is outside the {s.nbytes}-byte source")
+        d[:] = s[o : o + n]  # (copy_verify checked every chunk's bounds before the first copy)
+        if xxhash.xxh3_64_intdigest(d) != int(expect[i]):
+            bad.append(i)
+    return bad

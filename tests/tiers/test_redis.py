@@ -3,7 +3,7 @@ import time
 import numpy as np
 import pytest
 
-from kvport.errors import BlockNotFoundError, CorruptBlockError, TierUnavailableError
+from kvport.errors import BlockNotFoundError, CorruptBlockError, TierFullError, TierUnavailableError
 from kvport.tiers import RedisTier
 
 K1, K2 = b"1" * 16, b"2" * 16
@@ -94,3 +94,28 @@ def test_grouped_batched_get_checks_every_value_in_every_group(tier, monkeypatch
     assert all(bytes(o) == v for i, (o, v) in enumerate(zip(outs, vals, strict=True)) if i != 6)
     assert not tier.contains(keys[6])  # dropped, a clean miss from now on
     assert rt.pipeline_groups([len(o) for o in outs], 3000)[0] == (0, 2)
+
+
+def test_out_of_memory_mid_batch_is_tier_full_and_nothing_half_visible(tier) -> None:  # type: ignore[no-untyped-def]
+    """Redis refusing writes (maxmemory, noeviction) part-way through a batched put: TierFullError,
+    every value either absent or whole, and the connection back in step for the next call."""
+    r = tier._r
+    used = int(r.info("memory")["used_memory"])
+    old_max, old_policy = r.config_get("maxmemory")["maxmemory"], r.config_get("maxmemory-policy")["maxmemory-policy"]
+    rng = np.random.default_rng(9)
+    vals = [rng.integers(0, 256, 100_000, dtype=np.uint8).tobytes() for _ in range(8)]
+    keys = [bytes([97 + i]) * 16 for i in range(8)]
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", str(used + 350_000))
+    try:
+        with pytest.raises(TierFullError, match="out of memory"):
+            tier.put_many(list(zip(keys, vals, strict=True)))
+    finally:
+        r.config_set("maxmemory", old_max)
+        r.config_set("maxmemory-policy", old_policy)
+    for k, v in zip(keys, vals, strict=True):
+        if tier.contains(k):  # visible means complete and verified
+            out = bytearray(len(v))
+            assert tier.get_into(k, out) == len(v) and bytes(out) == v
+    tier.put(K1, b"after the refusal")  # same pooled connection, replies all consumed
+    assert tier.get(K1) == b"after the refusal"

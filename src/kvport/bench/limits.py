@@ -130,24 +130,31 @@ def raw_disk_gbps(folder: str | Path, nbytes: int, trials: int = 3, fsync: bool 
 def raw_redis_gbps(url: str, values: list[memoryview], trials: int = 3,
                    group_bytes: int = 8 << 20) -> dict[str, float | None]:
     """Raw redis-py (hiredis parser) SET and GET of ``values`` (each well under 512 MiB), against the
-    server at ``url``, two ways per direction: one pipeline for everything, and pipelines of about
-    ``group_bytes`` of values one after another (a huge pipeline is slower here: the whole reply is
-    buffered before any of it is handed back). Returns the faster of the two per direction
-    ({"set_gbps", "get_gbps"}, the ceiling the Redis tier is compared with) and each of them
-    ({"set_one_pipeline_gbps", ...}); None for a direction that failed."""
+    server at ``url``: every combination of two command packers (redis-py's default, which with
+    hiredis copies each value into the packed command, and the zero-copy pure-Python packer, which
+    hands large values to the socket as they are) and two batchings (one pipeline for everything,
+    and pipelines of about ``group_bytes`` of values one after another: a huge GET pipeline buffers
+    the whole reply before handing any of it back). Returns the fastest per direction
+    ({"set_gbps", "get_gbps"}: the ceiling the Redis tier is compared with) and each way
+    ({"set_one_pipeline_gbps", "set_grouped_gbps", "set_copying_packer_gbps", ...}); None for a
+    direction that failed."""
     import redis
 
-    from kvport.tiers.redis_tier import pipeline_groups
+    from kvport.tiers.redis_tier import pipeline_groups, zero_copy_packer
 
     nbytes = sum(v.nbytes for v in values)
     names = [f"kvport-raw:{i}".encode() for i in range(len(values))]
     groups = pipeline_groups([v.nbytes for v in values], group_bytes)
     out: dict[str, float | None] = {"set_gbps": None, "get_gbps": None}
-    times: dict[str, list[float]] = {"set_one": [], "get_one": [], "set_grouped": [], "get_grouped": []}
+    ways = [(packer, how) for packer in ("copying", "zero_copy") for how in ("one", "grouped")]
+    times: dict[str, list[float]] = {f"{d}_{p}_{h}": [] for d in ("set", "get") for p, h in ways}
     try:
-        r = redis.Redis.from_url(url, socket_timeout=60)
+        clients = {"copying": redis.Redis.from_url(url, socket_timeout=60),
+                   "zero_copy": redis.Redis.from_url(url, socket_timeout=60, command_packer=zero_copy_packer())}
         for _ in range(trials + 1):
-            for how, parts in (("one", [(0, len(values))]), ("grouped", groups)):
+            for packer, how in ways:
+                r = clients[packer]
+                parts = [(0, len(values))] if how == "one" else groups
                 r.delete(*names)
                 t0 = time.perf_counter()
                 for lo, hi in parts:
@@ -155,7 +162,7 @@ def raw_redis_gbps(url: str, values: list[memoryview], trials: int = 3,
                     for k, v in zip(names[lo:hi], values[lo:hi], strict=True):
                         p.set(k, v)
                     p.execute()
-                times["set_" + how].append(time.perf_counter() - t0)
+                times[f"set_{packer}_{how}"].append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 got_bytes = 0
                 for lo, hi in parts:
@@ -165,16 +172,19 @@ def raw_redis_gbps(url: str, values: list[memoryview], trials: int = 3,
                     got = p.execute()
                     got_bytes += sum(len(g) for g in got)
                     del got
-                times["get_" + how].append(time.perf_counter() - t0)
+                times[f"get_{packer}_{how}"].append(time.perf_counter() - t0)
                 if got_bytes != nbytes:
                     return out
-        r.delete(*names)
-        r.close()
+        clients["copying"].delete(*names)
+        for c in clients.values():
+            c.close()
     except redis.RedisError:
         return out
     med = {k: sorted(v[1:])[len(v[1:]) // 2] for k, v in times.items()}
     for d in ("set", "get"):
-        out[f"{d}_one_pipeline_gbps"] = gbps(nbytes, med[f"{d}_one"])
-        out[f"{d}_grouped_gbps"] = gbps(nbytes, med[f"{d}_grouped"])
-        out[f"{d}_gbps"] = gbps(nbytes, min(med[f"{d}_one"], med[f"{d}_grouped"]))
+        best = {h: min(med[f"{d}_{p}_{h}"] for p in ("copying", "zero_copy")) for h in ("one", "grouped")}
+        out[f"{d}_one_pipeline_gbps"] = gbps(nbytes, best["one"])
+        out[f"{d}_grouped_gbps"] = gbps(nbytes, best["grouped"])
+        out[f"{d}_copying_packer_gbps"] = gbps(nbytes, min(med[f"{d}_copying_{h}"] for h in ("one", "grouped")))
+        out[f"{d}_gbps"] = gbps(nbytes, min(best.values()))
     return out

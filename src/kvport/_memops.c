@@ -2,6 +2,7 @@
  * back to numpy + python-xxhash with identical results when this module is not built).
  *
  *   xxh3_many(bufs, out)                     out[8i:8i+8] = xxh3_64(bufs[i]) as u64 LE
+ *   spans(bufs, out)                         out = addresses (u64 LE) of bufs, then their lengths
  *   copy_verify(dsts, src, offsets, want, threads) -> list of bad indexes
  *       dsts[i][:] = src[offsets[i] : offsets[i] + len(dsts[i])], and i is bad when
  *       xxh3_64 of the copied bytes != want[i]
@@ -287,7 +288,36 @@ done:
     return result;
 }
 
+static PyObject *spans(PyObject *self, PyObject *args) {
+    PyObject *bufs, *seq;
+    Py_buffer out;
+    if (!PyArg_ParseTuple(args, "Ow*", &bufs, &out)) return NULL;
+    PyObject *result = NULL;
+    seq = PySequence_Fast(bufs, "bufs must be a sequence of buffers");
+    if (seq == NULL) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (out.len != 16 * n) {
+        PyErr_Format(PyExc_ValueError, "%zd buffers need an output of %zd bytes, got %zd", n, 16 * n, out.len);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_buffer v;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &v, PyBUF_C_CONTIGUOUS) < 0) goto done;
+        uint64_t at = (uint64_t)(uintptr_t)v.buf, len = (uint64_t)v.len;
+        memcpy((char *)out.buf + 8 * i, &at, 8);
+        memcpy((char *)out.buf + 8 * (n + i), &len, 8);
+        PyBuffer_Release(&v);
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    Py_XDECREF(seq);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"spans", spans, METH_VARARGS, "spans(bufs, out): each buffer's address (u64 LE) at [8i], its length at [8(n+i)]."},
     {"copy_verify", copy_verify, METH_VARARGS,
      "copy_verify(dsts, src, offsets, want, threads) -> bad indexes: copy src[offsets[i]:] into each dst "
      "(non-temporal stores), hashing exactly the bytes written (xxh3-64), compared with want[i]."},

@@ -4,6 +4,7 @@ give the same results, slower.
 
 - :func:`xxh3_many`: the xxh3-64 digest of each buffer, packed u64 little-endian (the wire's chunk
   trailers), in one call with the GIL released.
+- :func:`spans`: the address and length of many buffers in one call.
 - :func:`copy_verify`: copy chunks out of one source buffer (a peer's registered shared memory)
   into the caller's buffers and say which ones do not match their expected digest. Native: what is
   hashed is exactly what was written, the stores bypass the cache, and the chunks are split over
@@ -46,6 +47,18 @@ def xxh3_many_py(bufs: Sequence[Buffer]) -> bytes:
     return np.fromiter((xxhash.xxh3_64_intdigest(b) for b in bufs), dtype="<u8", count=len(bufs)).tobytes()
 
 
+def spans(bufs: Sequence[Buffer]) -> tuple[np.ndarray, np.ndarray]:
+    """(addresses, lengths) of contiguous buffers, as u64 arrays (one native call for all)."""
+    out = np.empty(2 * len(bufs), dtype="<u8")
+    if _native is not None:
+        _native.spans(bufs, out.data)
+    else:
+        for i, b in enumerate(bufs):
+            a = np.frombuffer(b, dtype=np.uint8)
+            out[i], out[len(bufs) + i] = a.ctypes.data if a.size else 0, a.size
+    return out[: len(bufs)], out[len(bufs) :]
+
+
 def copy_verify(dsts: Sequence[memoryview], src: Buffer, offsets: np.ndarray, want: Buffer,
                 threads: int = 1) -> list[int]:
     """``dsts[i][:] = src[offsets[i] : offsets[i] + len(dsts[i])]`` for every i; returns the indexes
@@ -56,7 +69,7 @@ def copy_verify(dsts: Sequence[memoryview], src: Buffer, offsets: np.ndarray, wa
     if off.shape != (len(dsts),) or len(want) != 8 * len(dsts):
         raise ValueError(f"{len(dsts)} destinations, {off.size} offsets, {len(want)} digest bytes")
     size = memoryview(src).nbytes
-    lens = np.fromiter((d.nbytes for d in dsts), dtype=np.uint64, count=len(dsts))
+    lens = spans(dsts)[1] if _native is not None else np.fromiter((d.nbytes for d in dsts), np.uint64, len(dsts))
     outside = np.flatnonzero((off > size) | (lens > size - np.minimum(off, size)))
     if outside.size:  # checked for every chunk before any is copied
         i = int(outside[0])

@@ -382,21 +382,17 @@ class ShmTransport:
     def describe(self, chunks: Sequence[Buffer], chunk_size: int) -> Described | None:
         """The plan to send ``chunks`` as one PAYLOAD, when every one lies in a single registered
         region (else None: the frame goes through :meth:`send`)."""
-        if not self._regions or not chunks:
+        if not self._regions or not chunks or len(chunks) > _MAX_PAYLOAD_CHUNKS:
             return None
-        views = as_byte_views(chunks)
-        if len(views) != len(chunks) or len(views) > _MAX_PAYLOAD_CHUNKS:
+        try:
+            addrs, lens = memops.spans(chunks)
+        except (TypeError, BufferError, ValueError):  # not contiguous buffers: plain stream bytes
             return None
-        first = self._region_of(views[0], 1)
-        if first is None:
-            return None
-        rid = first[0]
-        base, size, _ = self._regions[rid]
-        addrs = np.fromiter((_address(v) for v in views), dtype=np.int64, count=len(views)) - base
-        ends = addrs + np.fromiter((v.nbytes for v in views), dtype=np.int64, count=len(views))
-        if int(addrs.min()) < 0 or int(ends.max()) > size:
-            return None
-        return Described(rid, chunk_size, int(sum(v.nbytes for v in views)), addrs.astype("<u8"))
+        lo, hi = int(addrs.min()), int((addrs + lens).max())
+        for rid, (base, size, _) in enumerate(self._regions):
+            if base <= lo and hi <= base + size:
+                return Described(rid, chunk_size, int(lens.sum()), addrs - np.uint64(base))
+        return None
 
     def send_described(self, head: Buffer, plan: Described, digests: bytes) -> None:
         """``head`` through the ring, then the payload as one PAYLOAD message (offsets + checksums);

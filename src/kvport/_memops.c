@@ -200,7 +200,7 @@ static PyObject *copy_verify(PyObject *self, PyObject *args) {
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     bad = PyMem_Calloc(n ? n : 1, 1);
-    views = PyMem_Calloc(GROUP, sizeof(Py_buffer));
+    views = PyMem_Calloc(n < GROUP ? (n ? n : 1) : GROUP, sizeof(Py_buffer));
     if (bad == NULL || views == NULL) {
         PyErr_NoMemory();
         goto out;
@@ -258,7 +258,7 @@ static PyObject *xxh3_many(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "%zd buffers need an output of %zd bytes, got %zd", n, 8 * n, out.len);
         goto done;
     }
-    views = PyMem_Calloc(GROUP, sizeof(Py_buffer));
+    views = PyMem_Calloc(n < GROUP ? (n ? n : 1) : GROUP, sizeof(Py_buffer));
     if (views == NULL) {
         PyErr_NoMemory();
         goto done;

@@ -245,20 +245,32 @@ out:
     return result;
 }
 
-static PyObject *xxh3_many(PyObject *self, PyObject *args) {
-    PyObject *bufs, *seq;
-    Py_buffer out;
-    if (!PyArg_ParseTuple(args, "Ow*", &bufs, &out)) return NULL;
-    PyObject *result = NULL;
-    Py_buffer *views = NULL;
-    seq = PySequence_Fast(bufs, "bufs must be a sequence of buffers");
-    if (seq == NULL) goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (out.len != 8 * n) {
-        PyErr_Format(PyExc_ValueError, "%zd buffers need an output of %zd bytes, got %zd", n, 8 * n, out.len);
-        goto done;
+/* The (bufs, out) arguments of xxh3_many and spans: bufs as a fast sequence (returned; NULL on
+ * error, with ``out`` released) and ``out`` a writable buffer of exactly ``per`` bytes a buffer. */
+static PyObject *bufs_and_out(PyObject *args, Py_ssize_t per, Py_buffer *out, Py_ssize_t *n) {
+    PyObject *bufs;
+    if (!PyArg_ParseTuple(args, "Ow*", &bufs, out)) return NULL;
+    PyObject *seq = PySequence_Fast(bufs, "bufs must be a sequence of buffers");
+    if (seq != NULL && out->len != per * PySequence_Fast_GET_SIZE(seq)) {
+        PyErr_Format(PyExc_ValueError, "%zd buffers need an output of %zd bytes, got %zd",
+                     PySequence_Fast_GET_SIZE(seq), per * PySequence_Fast_GET_SIZE(seq), out->len);
+        Py_CLEAR(seq);
     }
-    views = PyMem_Calloc(n < GROUP ? (n ? n : 1) : GROUP, sizeof(Py_buffer));
+    if (seq == NULL) {
+        PyBuffer_Release(out);
+        return NULL;
+    }
+    *n = PySequence_Fast_GET_SIZE(seq);
+    return seq;
+}
+
+static PyObject *xxh3_many(PyObject *self, PyObject *args) {
+    Py_buffer out;
+    Py_ssize_t n;
+    PyObject *seq = bufs_and_out(args, 8, &out, &n);
+    if (seq == NULL) return NULL;
+    PyObject *result = NULL;
+    Py_buffer *views = PyMem_Calloc(n < GROUP ? (n ? n : 1) : GROUP, sizeof(Py_buffer));
     if (views == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -289,17 +301,11 @@ done:
 }
 
 static PyObject *spans(PyObject *self, PyObject *args) {
-    PyObject *bufs, *seq;
     Py_buffer out;
-    if (!PyArg_ParseTuple(args, "Ow*", &bufs, &out)) return NULL;
+    Py_ssize_t n;
+    PyObject *seq = bufs_and_out(args, 16, &out, &n);
+    if (seq == NULL) return NULL;
     PyObject *result = NULL;
-    seq = PySequence_Fast(bufs, "bufs must be a sequence of buffers");
-    if (seq == NULL) goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (out.len != 16 * n) {
-        PyErr_Format(PyExc_ValueError, "%zd buffers need an output of %zd bytes, got %zd", n, 16 * n, out.len);
-        goto done;
-    }
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_buffer v;
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &v, PyBUF_C_CONTIGUOUS) < 0) goto done;

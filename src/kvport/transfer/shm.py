@@ -135,7 +135,7 @@ class _Segment:
 
 @dataclass(frozen=True, slots=True)
 class Described:
-    """A frame payload out of one registered region: chunk ``i`` is ``lens[i]`` bytes at
+    """A frame payload out of one registered region: chunk ``i`` is ``chunk_len(i)`` bytes at
     ``offsets[i]``, its checksum ``digests[8i:8i+8]`` (what :meth:`ShmTransport.describe` plans
     and a PAYLOAD message carries)."""
 
@@ -151,10 +151,6 @@ class Described:
 
     def chunk_len(self, i: int) -> int:
         return min(self.chunk_size, self.payload_len - i * self.chunk_size)
-
-    @property
-    def stream_bytes(self) -> int:
-        return self.payload_len + 8 * self.n_chunks
 
 
 _Item = tuple[int, int, int, int]  # (kind, region or blob id, position, nbytes) of the incoming stream
@@ -223,8 +219,8 @@ class ShmTransport:
         self._ctrl_send(_CTRL.pack(_REG, rid, len(name), nbytes) + name.ljust(_NAME_BYTES, b"\0"), "register")
         return seg.mv
 
-    def _region_of(self, v: memoryview, min_bytes: int = _DESC_MIN) -> tuple[int, int] | None:
-        if not self._regions or v.nbytes < min_bytes:
+    def _region_of(self, v: memoryview) -> tuple[int, int] | None:
+        if not self._regions or v.nbytes < _DESC_MIN:
             return None
         addr = _address(v)
         for rid, (base, size, _) in enumerate(self._regions):

@@ -19,13 +19,15 @@ the shared-memory copy)::
                          | verify(0)       verify(1)       ...  all    read_payload_into returns
 
 Only checksum jobs cross threads; payload bytes go straight between the caller's buffers and the
-transport. A transport that maps the sender's memory (:class:`~kvport.transfer.transport.DescribedPayloads`,
-shared memory) is handed whole payloads instead: the sender describes them, the receiver copies
-and verifies them in one native call. A producer that already has the chunks' checksums passes
-them (``send(..., digests=...)``) and nothing is hashed at send time. A frame of one batch is hashed inline. The overlap pays only where a core is free: the
+transport. A frame of one batch is hashed inline. The overlap pays only where a core is free: the
 copies of a loopback transfer already keep two cores busy (sender and receiver), and on the 2-core
 bench machine the workers measured neutral to slightly slower than inline hashing, so it is on by
 default only with more than two CPUs (``FrameIO(overlap=...)`` overrides).
+
+A transport that maps the sender's memory (shared memory, see
+:class:`~kvport.transfer.transport.DescribedPayloads`) is handed whole payloads instead: the sender
+describes them, the receiver copies and verifies them in one native call. A producer that already
+has the chunks' checksums passes them (``send(..., digests=...)``) and nothing is hashed at send.
 """
 
 from __future__ import annotations

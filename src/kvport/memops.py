@@ -25,7 +25,7 @@ import xxhash
 _native: ModuleType | None
 try:
     from kvport import _memops as _native
-except ImportError:  # not built here (no compiler / xxhash.h / AVX2): the fallbacks below
+except ImportError:  # not built here (no compiler / xxhash.h / AVX-512): the fallbacks below
     _native = None
 
 NATIVE = _native is not None

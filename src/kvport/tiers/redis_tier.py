@@ -159,8 +159,6 @@ class RedisTier(Tier):
                     first = first or exc
             if first is not None:
                 raise _map(self.name, first) from first
-        except redis.ResponseError:
-            raise
         except (redis.RedisError, OSError) as exc:
             if conn is not None:
                 conn.disconnect()  # half a command may be on the wire: never reuse this stream

@@ -150,6 +150,27 @@ def test_slow_loris_and_idle_connections_time_out(server_factory) -> None:  # ty
     pooled.close()
 
 
+@pytest.mark.parametrize("io_threads", ["0", "4"])
+def test_a_writer_that_stalls_mid_payload_is_cut_at_the_frame_deadline(server_factory, io_threads) -> None:  # type: ignore[no-untyped-def]
+    """A PUT whose payload stops arriving halfway (large: it is on a bulk I/O thread, or on the
+    loop with 0 threads) is closed at the frame deadline; nothing of it is visible, the server
+    and its other clients go on."""
+    srv = server_factory(*base_args("384MiB", "--frame-timeout", "1", "--io-threads", io_threads))
+    key = b"stalled-put-key!"
+    value = np.random.default_rng(9).integers(0, 256, 8 * MiB, dtype=np.uint8).tobytes()
+    wire = frame_bytes(encode_frame(MsgType.PUT, {"key": key}, [value[i : i + MiB] for i in range(0, len(value), MiB)],
+                                    MiB, corr_id=1))
+    s = authed_socket(srv.port)
+    s.sendall(wire[: len(wire) // 2])  # half the payload, then nothing
+    assert closed_within(s, 15)
+    tier = srv.client()
+    assert tier.size_of(key) is None
+    tier.put(key, value)  # the same key from a well-behaved client
+    out = bytearray(8 * MiB)
+    assert tier.get_into(key, out) == len(value) and bytes(out) == value
+    tier.close()
+
+
 def test_a_tenant_probing_another_tenants_prefix_gets_misses(tenant_server) -> None:  # type: ignore[no-untyped-def]
     srv = tenant_server
     alice = srv.client("alice", TOKENS["alice"])

@@ -80,3 +80,37 @@ def test_view_is_zero_copy_into_the_pool() -> None:
     v = t.view(K1)
     mv[0:1] = b"z"  # the receiver's view and the reader's view share memory
     assert bytes(v) == b"zbcd"
+
+
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "unknown"
+    return text.split("[")[1].split("]")[0] if "[" in text else "unknown"
+
+
+def _huge_kib_at(addr: int) -> int:
+    """AnonHugePages (KiB) of the mapping of this process that contains ``addr``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off here")
+def test_large_pool_is_backed_by_huge_pages_and_round_trips() -> None:
+    t = HostTier(64 << 20, 1 << 20, pin=False)
+    value = np.random.default_rng(2).integers(0, 256, 1 << 20, dtype=np.uint8)
+    t.put(K1, value)
+    view = t.view(K1)
+    assert _huge_kib_at(np.frombuffer(view, dtype=np.uint8).ctypes.data) >= 2048
+    dst = bytearray(1 << 20)
+    assert t.get_into(K1, dst) == 1 << 20 and bytes(dst) == value.tobytes()
+    t.close()

@@ -86,3 +86,71 @@ def test_forked_child_gets_its_own_checksum_workers() -> None:
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     raise AssertionError("the forked child hung on the parent's (dead) checksum workers")
+
+
+def _feed(wire: bytes, extra: bytes = b"") -> tuple[threading.Thread, FrameIO, inproc.InprocTransport]:
+    a, b = inproc.pair(capacity=1 << 22)
+    th = threading.Thread(target=lambda: a.send([wire + extra]))
+    th.start()
+    return th, FrameIO(b, batch_bytes=4 * CHUNK, overlap=False), b
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_on_verified_reports_every_chunk_once_in_order(overlap: bool) -> None:
+    chunks = _chunks()
+    wire = frame_bytes(encode_frame(MsgType.LAYER, {"layer": 1}, chunks, CHUNK))
+    th, io, _ = _feed(wire)
+    io.overlap = overlap
+    hdr, _ = io.read_head()
+    dst = np.zeros((N_CHUNKS, CHUNK), dtype=np.uint8)
+    seen: list[tuple[int, int]] = []
+    copies: list[bytes] = []
+
+    def on_verified(first: int, end: int) -> None:
+        seen.append((first, end))
+        copies.append(dst[first:end].tobytes())  # the bytes are there when it is called
+
+    assert io.read_payload_into(hdr, [dst[i].data for i in range(N_CHUNKS)], on_verified) == []
+    th.join()
+    assert seen[0][0] == 0 and seen[-1][1] == N_CHUNKS
+    assert all(seen[i][1] == seen[i + 1][0] for i in range(len(seen) - 1))  # contiguous, in order
+    assert len(seen) == N_CHUNKS // 4  # one call per batch of 4 chunks
+    assert b"".join(copies) == b"".join(bytes(c) for c in chunks)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_on_verified_stops_at_the_first_bad_chunk(overlap: bool) -> None:
+    chunks = _chunks()
+    wire = bytearray(frame_bytes(encode_frame(MsgType.LAYER, {"layer": 1}, chunks, CHUNK)))
+    meta_len = int.from_bytes(wire[8:12], "little")
+    wire[HEADER_BYTES + meta_len + 9 * (CHUNK + CHECKSUM_BYTES) + 3] ^= 0x01  # chunk 9, in the third batch
+    th, io, _ = _feed(bytes(wire))
+    io.overlap = overlap
+    hdr, _ = io.read_head()
+    dst = np.zeros((N_CHUNKS, CHUNK), dtype=np.uint8)
+    seen: list[tuple[int, int]] = []
+    bad = io.read_payload_into(hdr, [dst[i].data for i in range(N_CHUNKS)], lambda a, b: seen.append((a, b)))
+    th.join()
+    assert bad == [9]
+    assert seen == [(0, 4), (4, 8), (8, 9)]  # the good chunks before it, nothing after
+
+
+def test_an_on_verified_error_is_raised_after_the_payload_is_read() -> None:
+    chunks = _chunks()
+    wire = frame_bytes(encode_frame(MsgType.LAYER, {"layer": 1}, chunks, CHUNK))
+    ping = frame_bytes(encode_frame(MsgType.PING, {"n": 2}))
+    th, io, _ = _feed(wire, ping)
+    hdr, _ = io.read_head()
+    dst = np.zeros((N_CHUNKS, CHUNK), dtype=np.uint8)
+    calls: list[int] = []
+
+    def consumer(first: int, end: int) -> None:
+        calls.append(first)
+        raise ValueError("consumer is full")
+
+    with pytest.raises(ValueError, match="consumer is full"):
+        io.read_payload_into(hdr, [dst[i].data for i in range(N_CHUNKS)], consumer)
+    assert calls == [0]  # not called again once it failed
+    hdr2, meta2 = io.read_head()  # the stream is still in sync: the next frame reads cleanly
+    th.join()
+    assert hdr2.msg_type is MsgType.PING and meta2 == {"n": 2}

@@ -3,22 +3,33 @@
 One real ``kvport serve`` child process (host + disk tiers) and, in the same run:
 
 - limit: :func:`kvport.bench.limits.raw_socket_gbps` (one Python TCP stream, recv_into a reused
-  buffer, second process) for the largest value size, measured before and after the server run
-  (the ratio uses their mean: the shared machine's load drifts);
-- phase A (steady): 16 clients (threads in 4 processes: one process of 16 threads loses much of
-  its CPU to GIL convoys), each a :class:`RemoteTier` with one connection, a mix of
-  PUT (2-32 MiB), GET of its own earlier values, and LOOKUP of its key chain; each client's working
-  set is bounded so everything fits the host pool: a GET miss here is a *lost* value;
+  buffer, second process) for the largest value size, measured between the steady windows: before
+  the first and after each (the ratio uses their mean: the shared machine's speed drifts, and a
+  limit taken only before and after a 20 s run sees another machine than the run did);
+- phase A (steady, in ``windows`` windows, default 4 x 5 s): 16 clients (threads in 4 processes:
+  one process of 16 threads loses much of its CPU to GIL convoys), each a :class:`RemoteTier`
+  with one connection, a mix of PUT (2-32 MiB), GET of its own earlier values, and LOOKUP of its
+  key chain; each client's working set is bounded so everything fits the host pool: a GET miss
+  here is a *lost* value;
 - phase B (overload): the same clients write twice the capacity; the server demotes and drops,
   and its RSS (sampled every 20 ms via psutil over the whole run) is compared with ``--capacity``.
+
+The server runs with its default ``--io-threads`` (``--set io_threads=N`` to compare; 0 puts every
+byte on the event loop thread).
 
 For diagnosis beside the required fields: ``single_client_gbps`` (one client, sequential 32 MiB
 PUT+GET, before the phases) and ``server_cpu_s_per_gb_steady`` (server CPU seconds per GB moved in
 phase A, less sensitive to other load on the machine than wall-clock throughput) with its client
 counterpart ``client_cpu_s_per_gb_steady`` (all client processes, integrity checks included).
 
-Integrity: every value read is compared with what was written (values are slices of one random
-pool at known offsets). ``lost_or_corrupt`` = corrupt reads (both phases) + phase-A misses.
+Integrity: every value read is compared with what was written, byte range by byte range as
+:meth:`RemoteTier.get_into` reports each range verified (``on_verified``), while it is still in
+cache. Values are slices of one random pool starting on a 1 MiB boundary; each whole 1 MiB piece of
+a value is compared by its xxh3-128 digest with the digest of the same pool piece, computed once
+before the run (a different function from the wire's xxh3-64, over the bench's own buffer); every
+other byte (partial pieces, any range not reported) by ``memcmp`` against the pool. A full
+``memcmp`` of every value after the call read both buffers from RAM and cost the clients ~10% of
+the machine's CPU. ``lost_or_corrupt`` = corrupt reads (both phases) + phase-A misses.
 Throughput = (bytes put + bytes got) / wall time of phase A, both directions summed.
 """
 
@@ -35,16 +46,19 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psutil
+import xxhash
 
 from kvport.bench.harness import Report, SuiteOptions, conditions, finish, gbps, ratio
 from kvport.bench.limits import raw_socket_gbps
 from kvport.errors import BlockNotFoundError, KVPortError
+from kvport.server.app import DEFAULT_IO_THREADS
 from kvport.server.client import RemoteTier
 from kvport.server.limits import Rejected
 from kvport.server.pool import ClientConfig
@@ -107,21 +121,22 @@ class _ServerProc:
 class _Client:
     """One benchmark client: its keys, their (offset, size) in the shared random pool, its stats."""
 
-    def __init__(self, idx: int, port: int, pool: np.ndarray, budget: int, seed: int) -> None:
+    def __init__(self, idx: int, port: int, pool: _Pool, budget: int, seed: int) -> None:
         self.idx = idx
         self.tier = RemoteTier(ClientConfig(port=port, pool_size=1, backpressure_timeout_s=30.0))
-        self.pool = pool
+        self.pool = pool.data
+        self.out = bytearray(32 * MiB)
+        self.check = _Checker(pool, np.frombuffer(self.out, dtype=np.uint8))
         self.budget = budget
         self.rng = np.random.default_rng(seed)
         self.live: dict[bytes, tuple[int, int]] = {}
         self.order: list[bytes] = []
         self.seq = 0
-        self.out = bytearray(32 * MiB)
         self.s = _Stats()
 
     def _new_value(self) -> tuple[bytes, int, int]:
         size = int(self.rng.integers(2 * MiB, 32 * MiB + 1))
-        off = int(self.rng.integers(0, len(self.pool) - size))
+        off = int(self.rng.integers(0, (len(self.pool) - size) // _PIECE + 1)) * _PIECE
         self.seq += 1
         return self.idx.to_bytes(4, "little") + self.seq.to_bytes(12, "little"), off, size
 
@@ -143,9 +158,10 @@ class _Client:
 
     def get(self, key: bytes, must_exist: bool) -> None:
         off, size = self.live[key]
+        self.check.start(off)
         t0 = time.perf_counter()
         try:
-            n = self.tier.get_into(key, self.out)
+            n = self.tier.get_into(key, self.out, on_verified=self.check.range)
         except BlockNotFoundError:
             self.s.get_lat.append(time.perf_counter() - t0)
             if must_exist:
@@ -155,7 +171,7 @@ class _Client:
             return
         self.s.get_lat.append(time.perf_counter() - t0)
         self.s.bytes_got += n
-        if n != size or not _equal(np.frombuffer(self.out, dtype=np.uint8, count=n), self.pool[off : off + size]):
+        if n != size or not self.check.finish(n):
             self.s.corrupt += 1
 
     def lookup(self) -> None:
@@ -196,6 +212,62 @@ def _equal(a: np.ndarray, b: np.ndarray) -> bool:
     return a.nbytes == 0 or int(_libc.memcmp(a.ctypes.data, b.ctypes.data, a.nbytes)) == 0
 
 
+_PIECE = MiB  # the pool's digest grid: values start on it
+
+
+@dataclass(frozen=True, slots=True)
+class _Pool:
+    data: np.ndarray
+    digests: list[int]  # xxh3-128 of each whole _PIECE of ``data``
+
+    @staticmethod
+    def make(nbytes: int) -> _Pool:
+        data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+        return _Pool(data, [xxhash.xxh3_128_intdigest(data[i : i + _PIECE].data) for i in range(0, nbytes - _PIECE + 1,
+                                                                                            _PIECE)])
+
+
+class _Checker:
+    """Checks one GET's value range by range, in the order ``get_into`` reports them verified."""
+
+    def __init__(self, pool: _Pool, out: np.ndarray) -> None:
+        self.pool, self.out = pool, out
+        self.off = self.done = 0
+        self.ok = True
+
+    def start(self, off: int) -> None:
+        self.off, self.done, self.ok = off, 0, True
+
+    def range(self, lo: int, n: int) -> None:
+        if lo == 0:  # a retry after a reconnect reports the value again from the start
+            self.done, self.ok = 0, True
+        if lo != self.done:  # a gap or a range out of order: checked after the call instead
+            return
+        self.ok = self.ok and self._same(lo, lo + n)
+        self.done = lo + n
+
+    def finish(self, n: int) -> bool:
+        """Whole value checked: the reported ranges, and any bytes not reported (``memcmp``)."""
+        if self.done > n:
+            return False
+        return self.ok and _equal(self.out[self.done : n], self.pool.data[self.off + self.done : self.off + n])
+
+    def _same(self, lo: int, hi: int) -> bool:
+        p, off, digests = lo, self.off, self.pool.digests
+        while p < hi:
+            a = off + p
+            if a % _PIECE == 0 and p + _PIECE <= hi:
+                if xxhash.xxh3_128_intdigest(self.out[p : p + _PIECE].data) != digests[a // _PIECE]:
+                    return False
+                p += _PIECE
+                continue
+            q = min(hi, p + _PIECE - a % _PIECE)
+            if not _equal(self.out[p:q], self.pool.data[a : a + q - p]):
+                return False
+            p = q
+        return True
+
+
 def _client_thread(c: _Client, phase: str, arg: float) -> None:
     try:
         if phase == "steady":
@@ -206,26 +278,32 @@ def _client_thread(c: _Client, phase: str, arg: float) -> None:
         c.s.errors.append(f"{type(exc).__name__}: {exc}")
 
 
-def _worker(idxs: list[int], port: int, pool: np.ndarray, budget: int, overload_bytes: int, steady_s: float,
-            ready: Any, go: Any, t_go: Any, phase_b: Any, out: Any) -> None:
-    """One client process: ``len(idxs)`` client threads through both phases; stats go to ``out``."""
+def _worker(idxs: list[int], port: int, pool: _Pool, budget: int, overload_bytes: int, windows: int,
+            sync: Any, deadline: Any, out: Any) -> None:
+    """One client process: ``len(idxs)`` client threads through the steady windows and the overload
+    phase, each started and ended on the ``sync`` barrier; stats go to ``out``."""
     clients = [_Client(i, port, pool, budget, seed=i + 1) for i in idxs]
-    ready.wait()
-    go.wait()
-    results: dict[str, Any] = {}
-    for phase, arg in (("steady", t_go.value + steady_s), ("overload", float(overload_bytes))):
+    results: dict[str, Any] = {"steady_cpu_s": 0.0}
+    sync.wait()  # connected
+    phases = [("steady", -1.0)] * windows + [("overload", float(overload_bytes))]
+    for k, (phase, arg) in enumerate(phases):
+        sync.wait()  # start
         if phase == "overload":
-            phase_b.wait()
+            results["steady"] = [c.s for c in clients]
             for c in clients:
                 c.s = _Stats()
         cpu0 = _cpu_s(os.getpid())
-        threads = [threading.Thread(target=_client_thread, args=(c, phase, arg)) for c in clients]
+        threads = [threading.Thread(target=_client_thread, args=(c, phase, deadline.value if arg < 0 else arg))
+                   for c in clients]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        results[phase] = [c.s for c in clients]
-        results[phase + "_cpu_s"] = _cpu_s(os.getpid()) - cpu0
+        if phase == "steady":
+            results["steady_cpu_s"] += _cpu_s(os.getpid()) - cpu0
+        if k < len(phases) - 1:
+            sync.wait()  # end of a steady window
+    results["overload"] = [c.s for c in clients]
     for c in clients:
         c.tier.close()
     out.put(results)
@@ -244,36 +322,47 @@ class _Phases:
     wall_overload_s: float
     server_cpu_steady_s: float
     client_cpu_steady_s: float  # every client process, integrity checks included
+    raw_socket_gbps: list[float | None]  # before the first steady window and after each
 
 
-def _run_phases(port: int, server_pid: int, budget: int, overload_bytes: int, steady_s: float, procs: int
-                ) -> _Phases:
+def _run_phases(port: int, server_pid: int, budget: int, overload_bytes: int, steady_s: float, procs: int,
+                windows: int, raw: Callable[[], float | None]) -> _Phases:
     """16 clients in ``procs`` forked processes (threads inside each; fewer GIL convoys than one
-    process). Forked, so the random value pool is shared copy-on-write and nothing is re-imported."""
-    pool = np.random.default_rng(0).integers(0, 256, _POOL_BYTES, dtype=np.uint8)
+    process). Forked, so the random value pool is shared copy-on-write and nothing is re-imported.
+
+    The steady phase runs in ``windows`` windows of ``steady_s / windows``; ``raw()`` (the limit)
+    is measured before the first and after every window while the clients wait, so the limit and
+    the server see the same stretch of a machine whose speed drifts."""
+    pool = _Pool.make(_POOL_BYTES)
     ctx = mp.get_context("fork")
-    ready, go, phase_b = ctx.Barrier(procs + 1), ctx.Event(), ctx.Barrier(procs + 1)
-    t_go = ctx.Value("d", 0.0)
+    sync = ctx.Barrier(procs + 1)
+    deadline = ctx.Value("d", 0.0)
     out = ctx.Queue()
     groups = [list(range(CLIENTS))[i::procs] for i in range(procs)]
-    workers = [ctx.Process(target=_worker, args=(g, port, pool, budget, overload_bytes, steady_s, ready, go, t_go,
-                                                 phase_b, out), daemon=True) for g in groups]
+    workers = [ctx.Process(target=_worker, args=(g, port, pool, budget, overload_bytes, windows, sync, deadline, out),
+                           daemon=True) for g in groups]
     for w in workers:
         w.start()
-    ready.wait(timeout=300)
-    cpu0 = _cpu_s(server_pid)
-    t_go.value = time.perf_counter()
-    go.set()
-    phase_b.wait(timeout=600)
+    sync.wait(timeout=300)  # every client connected
+    raws: list[float | None] = [raw()]
+    wall_a = cpu_a = 0.0
+    for _ in range(windows):
+        cpu0 = _cpu_s(server_pid)
+        t0 = time.perf_counter()
+        deadline.value = t0 + steady_s / windows
+        sync.wait(timeout=300)  # start
+        sync.wait(timeout=600)  # every client finished its last operation of the window
+        wall_a += time.perf_counter() - t0
+        cpu_a += _cpu_s(server_pid) - cpu0
+        raws.append(raw())
     t_b = time.perf_counter()
-    cpu_a = _cpu_s(server_pid) - cpu0
-    wall_a = t_b - t_go.value
+    sync.wait(timeout=300)  # overload starts
     got = [out.get(timeout=600) for _ in workers]
     wall_b = time.perf_counter() - t_b
     for w in workers:
         w.join(30)
     return _Phases([s for r in got for s in r["steady"]], [s for r in got for s in r["overload"]], wall_a, wall_b,
-                   cpu_a, sum(float(r["steady_cpu_s"]) for r in got))
+                   cpu_a, sum(float(r["steady_cpu_s"]) for r in got), raws)
 
 
 def _single_client(port: int, rounds: int) -> float:
@@ -307,28 +396,29 @@ def run(opts: SuiteOptions) -> Report:
     inflight = int(opts.extra.get("inflight_bytes", (64 if opts.quick else 128) * MiB))
     overload = float(opts.extra.get("overload_factor", 2.0))  # write load, in multiples of the capacity
     cond = conditions()  # machine facts and load at the start
-    raw_trials = 3 if opts.quick else 5
-    raw_before = raw_socket_gbps(32 * MiB, trials=raw_trials)
+    raw_trials = 5 if opts.quick else 20  # 32 MiB each: ~0.2 s of stream, not a 10 ms snapshot
+    windows = int(opts.extra.get("windows", 2 if opts.quick else 4))
     procs = int(opts.extra.get("client_processes", 4))
+    io_threads = int(opts.extra.get("io_threads", DEFAULT_IO_THREADS))
     with tempfile.TemporaryDirectory(prefix="kvport-bench-server-") as tmp:
         srv = _ServerProc(["--listen", "127.0.0.1:0", "--capacity", str(capacity), "--disk", str(Path(tmp) / "disk"),
                            "--disk-capacity", str(capacity // 2), "--max-value", "32MiB",
-                           "--inflight", str(inflight), "--no-spill"])
+                           "--inflight", str(inflight), "--no-spill", "--io-threads", str(io_threads)])
         try:
             host_cap = int(srv.info["host_capacity"])
             budget = int(host_cap * 0.8) // CLIENTS
             per_client = int(overload * capacity) // CLIENTS
             single = _single_client(int(srv.info["port"]), 4 if opts.quick else 16)
-            ph = _run_phases(int(srv.info["port"]), srv.proc.pid, budget, per_client, steady_s, procs)
+            ph = _run_phases(int(srv.info["port"]), srv.proc.pid, budget, per_client, steady_s, procs, windows,
+                             lambda: raw_socket_gbps(32 * MiB, trials=raw_trials))
             a, b, wall_a, wall_b = ph.steady, ph.overload, ph.wall_steady_s, ph.wall_overload_s
             moved_a = sum(s.bytes_put + s.bytes_got for s in a)
             a_corrupt, a_lost = sum(s.corrupt for s in a), sum(s.lost for s in a)
         finally:
             rc = srv.stop()
-    # the machine is shared and its load drifts: the limit is measured before and after the server
-    # run, and the ratio uses their mean (both are reported)
-    raw_after = raw_socket_gbps(32 * MiB, trials=raw_trials)
-    raws = [x for x in (raw_before, raw_after) if x is not None]
+    # the machine is shared and its speed drifts: the limit is measured between the steady windows
+    # (before the first, after each), and the ratio uses their mean (each is reported)
+    raws = [x for x in ph.raw_socket_gbps if x is not None]
     raw = sum(raws) / len(raws) if raws else None
     put_lat = [x for s in a for x in s.put_lat]
     get_lat = [x for s in a for x in s.get_lat]
@@ -364,9 +454,10 @@ def run(opts: SuiteOptions) -> Report:
                       disk_capacity_bytes=srv.info["disk_capacity"], page_bytes=srv.info["page_bytes"],
                       inflight_bytes=inflight, overload_factor=overload, value_sizes="2-32 MiB uniform",
                       mix="40% put, 45% get, 15% lookup",
-                      steady_s=steady_s, link="tcp 127.0.0.1", client_processes=procs,
+                      steady_s=steady_s, link="tcp 127.0.0.1", client_processes=procs, server_io_threads=io_threads,
                       threads_per_process=CLIENTS // procs)
     limits = {"raw_socket_gbps": round(raw, 4) if raw else None,
-              "raw_socket_gbps_before": round(raw_before, 4) if raw_before else None,
-              "raw_socket_gbps_after": round(raw_after, 4) if raw_after else None}
+              "raw_socket_gbps_each": [round(x, 4) if x else None for x in ph.raw_socket_gbps],
+              "raw_socket_gbps_min": round(min(raws), 4) if raws else None,
+              "raw_socket_gbps_max": round(max(raws), 4) if raws else None}
     return finish(Report("server", cond, limits, results))

@@ -16,7 +16,7 @@ import click
 from kvport.cli._run import run_click, setup_logging
 from kvport.config import Settings
 from kvport.errors import UserInputError
-from kvport.server.app import ServerConfig, serve
+from kvport.server.app import DEFAULT_IO_THREADS, ServerConfig, serve
 from kvport.server.limits import ServerLimits
 from kvport.units import parse_size
 
@@ -45,9 +45,12 @@ def parse_listen(text: str) -> tuple[str, int]:
 @click.option("--frame-timeout", default=30.0, show_default=True, type=float,
               help="seconds a started frame (and its answer) may take")
 @click.option("--no-spill", is_flag=True, help="on shutdown, do not move host blocks to disk")
+@click.option("--io-threads", default=DEFAULT_IO_THREADS, show_default=True, type=click.IntRange(0, 64),
+              help="threads that move large payloads (0: all I/O on the event loop thread)")
 def serve_cmd(listen: str, capacity: str, disk_dir: str | None, disk_capacity: str | None, page_size: str,
               http_port: int | None, tenants_file: str | None, tls_cert: str | None, tls_key: str | None,
-              max_value: str, inflight: str, idle_timeout: float, frame_timeout: float, no_spill: bool) -> None:
+              max_value: str, inflight: str, idle_timeout: float, frame_timeout: float, no_spill: bool,
+              io_threads: int) -> None:
     """Serve a shared KV tier (host + disk) over the kvport wire format."""
     host, port = parse_listen(listen)
     limits = ServerLimits(max_value_bytes=parse_size(max_value), total_inflight_bytes=parse_size(inflight),
@@ -57,7 +60,8 @@ def serve_cmd(listen: str, capacity: str, disk_dir: str | None, disk_capacity: s
         disk_capacity_bytes=parse_size(disk_capacity) if disk_capacity else None, page_bytes=parse_size(page_size),
         http_port=http_port, tenants_file=Path(tenants_file) if tenants_file else None,
         auth_token=Settings.from_env().auth_token, tls_cert=Path(tls_cert) if tls_cert else None,
-        tls_key=Path(tls_key) if tls_key else None, limits=limits, spill_on_shutdown=not no_spill)
+        tls_key=Path(tls_key) if tls_key else None, limits=limits, spill_on_shutdown=not no_spill,
+        io_threads=io_threads)
     asyncio.run(serve(cfg))
 
 

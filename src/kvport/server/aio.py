@@ -8,6 +8,15 @@ Two streams with one interface (``recv_into(views)``, ``send(parts)``, ``close()
   Python 3.11 copies every unsent remainder into a bytearray, which is why it is not used here).
 - :class:`TlsStream`: asyncio streams over ``ssl`` (optional, not the hot path: one copy per read).
 
+Bulk I/O threads (``SockStream(io=BulkIO(n))``, like Redis's ``io-threads``): a payload of at
+least :data:`OFFLOAD_BYTES` is received (and verified, group by group while in cache) or sent by a
+worker thread, on the same socket, while the event loop goes on parsing and answering the other
+connections. The copies into and out of the kernel release the GIL, so on a machine where the
+clients share the cores a single loop thread is no longer the one thing every byte waits for. The
+loop awaits the worker; a cancellation (frame deadline, shutdown) tells the worker to stop at its
+next poll (within :data:`_POLL_S`) and is raised only once the worker has let go of the socket and
+the buffers.
+
 :class:`AsyncFrames` reads a frame in the order of :class:`kvport.transfer.framing.FrameIO`::
 
     40 header bytes -> decode_header (caps) -> meta_len bytes -> decode_meta -> payload into views
@@ -19,9 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 import socket
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
 
 from kvport.errors import ChecksumError, PeerError, ProtocolError
 from kvport.transfer.transport import Buffer, advance, as_byte_views
@@ -43,6 +56,66 @@ from kvport.transfer.wire import (
 
 _IOV_MAX = 512
 VERIFY_GROUP_BYTES = 512 << 10  # payload received per verify step: still in L2 when hashed
+OFFLOAD_BYTES = 256 << 10  # payloads from this size go to a bulk I/O thread (when the stream has them)
+_POLL_S = 0.05  # a bulk worker waiting on the socket checks for cancellation this often
+T = TypeVar("T")
+
+
+class BulkIO:
+    """The server's bulk I/O threads (one pool for every connection); ``threads=0``: none."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="kvport-io") if threads > 0 else None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+
+class BlockingSock:
+    """The worker thread's side of a :class:`SockStream`: the same non-blocking socket, waited on
+    with ``poll`` in short steps so that a cancellation from the loop is seen."""
+
+    def __init__(self, sock: socket.socket, peer: str, cancel: threading.Event) -> None:
+        self.sock, self.peer, self.cancel = sock, peer, cancel
+
+    def _wait(self, events: int) -> None:
+        p = select.poll()
+        p.register(self.sock.fileno(), events)
+        while not p.poll(int(_POLL_S * 1000)):
+            if self.cancel.is_set():
+                raise PeerError(f"{self.peer}: cancelled")
+        if self.cancel.is_set():
+            raise PeerError(f"{self.peer}: cancelled")
+
+    def recv_into(self, views: Sequence[memoryview]) -> None:
+        vs = as_byte_views(views)
+        i = 0
+        while i < len(vs):
+            try:
+                n = self.sock.recv_into(vs[i]) if len(vs) - i == 1 else self.sock.recvmsg_into(vs[i : i + _IOV_MAX])[0]
+            except (BlockingIOError, InterruptedError):
+                self._wait(select.POLLIN)
+                continue
+            except OSError as exc:
+                raise PeerError(f"{self.peer}: receive failed: {exc}") from exc
+            if n == 0:
+                raise PeerError(f"{self.peer}: connection closed by peer")
+            i = advance(vs, i, n)
+
+    def send(self, parts: Sequence[Buffer]) -> None:
+        views = as_byte_views(parts)
+        i = 0
+        while i < len(views):
+            try:
+                n = self.sock.sendmsg(views[i : i + _IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                self._wait(select.POLLOUT)
+                continue
+            except OSError as exc:
+                raise PeerError(f"{self.peer}: send failed: {exc}") from exc
+            i = advance(views, i, n)
 
 
 class AsyncStream(Protocol):
@@ -56,11 +129,31 @@ class AsyncStream(Protocol):
 
 
 class SockStream:
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, io: BulkIO | None = None) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.peer = peer
         self._loop = asyncio.get_running_loop()
+        self._pool = io.pool if io is not None else None
+
+    @property
+    def offloads(self) -> bool:
+        return self._pool is not None
+
+    async def offload(self, fn: Callable[[BlockingSock], T]) -> T:
+        """Run ``fn`` (blocking I/O on this socket) on a bulk I/O thread and await it; on
+        cancellation, stop the worker and wait for it before re-raising."""
+        if self._pool is None:
+            raise ProtocolError("this stream has no bulk I/O threads")
+        cancel = threading.Event()
+        job = self._pool.submit(fn, BlockingSock(self.sock, self.peer, cancel))
+        try:
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            cancel.set()
+            if not job.cancel():  # running: it sees the flag at its next poll (<= _POLL_S) and
+                futures.wait([job])  # lets go of the socket and the caller's buffers before we go on
+            raise
 
     async def recv_into(self, views: Sequence[memoryview]) -> None:
         """Fill every view in order: one ``recvmsg_into`` scatters into up to 512 views per call,
@@ -84,6 +177,9 @@ class SockStream:
 
     async def send(self, parts: Sequence[Buffer]) -> None:
         views = as_byte_views(parts)
+        if self._pool is not None and sum(v.nbytes for v in views) >= OFFLOAD_BYTES:
+            await self.offload(lambda b: b.send(views))
+            return
         i = 0
         while i < len(views):
             try:
@@ -146,6 +242,32 @@ class TlsStream:
         self.writer.close()
 
 
+def _groups(views: Sequence[memoryview], tr: memoryview) -> Iterator[tuple[list[memoryview], int, int]]:
+    """The payload's receive steps: (scatter list, first chunk, end chunk) of about
+    :data:`VERIFY_GROUP_BYTES` each (at least one chunk), chunk j followed by its checksum."""
+    parts: list[memoryview] = []
+    first = pending = 0
+    last = len(views) - 1
+    for i, v in enumerate(views):
+        parts += (v, tr[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES])
+        pending += v.nbytes
+        if pending >= VERIFY_GROUP_BYTES or i == last:
+            yield parts, first, i + 1
+            parts, first, pending = [], i + 1, 0
+
+
+def _verify(views: Sequence[memoryview], tr: memoryview, lo: int, hi: int, bad: int | None) -> int | None:
+    """The first bad chunk so far: ``bad`` if already set, else the first of ``lo..hi-1`` that fails."""
+    for j in range(lo, hi):
+        if bad is not None:
+            return bad
+        try:
+            verify_chunk(views[j], tr[j * CHECKSUM_BYTES : (j + 1) * CHECKSUM_BYTES], j)
+        except ChecksumError:
+            bad = j
+    return bad
+
+
 class AsyncFrames:
     """Frame reads/writes on one stream; one reader and one writer task at a time."""
 
@@ -176,28 +298,27 @@ class AsyncFrames:
         n = hdr.n_chunks
         if len(views) != n:
             raise ProtocolError(f"frame has {n} chunks, expected {len(views)}")
+        for i, v in enumerate(views):
+            if v.nbytes != hdr.chunk_len(i):
+                raise ProtocolError(f"chunk {i} has {hdr.chunk_len(i)} bytes, expected {v.nbytes}")
         need = n * CHECKSUM_BYTES
         if need > len(self._trailers):
             self._trailers = bytearray(need)  # n_chunks is capped by the wire limits
         tr = memoryview(self._trailers)
+        stream = self.stream
+        if isinstance(stream, SockStream) and stream.offloads and hdr.payload_len >= OFFLOAD_BYTES:
+            def work(b: BlockingSock) -> int | None:
+                bad: int | None = None
+                for parts, lo, hi in _groups(views, tr):
+                    b.recv_into(parts)
+                    bad = _verify(views, tr, lo, hi, bad)
+                return bad
+
+            return await stream.offload(work)
         bad: int | None = None
-        parts: list[memoryview] = []
-        first = pending = 0
-        for i, v in enumerate(views):
-            if v.nbytes != hdr.chunk_len(i):
-                raise ProtocolError(f"chunk {i} has {hdr.chunk_len(i)} bytes, expected {v.nbytes}")
-            parts += (v, tr[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES])
-            pending += v.nbytes
-            if pending < VERIFY_GROUP_BYTES and i < n - 1:
-                continue
-            await self.stream.recv_into(parts)  # scatter: chunk j -> views[j], checksum j -> trailers
-            for j in range(first, i + 1):
-                if bad is None:
-                    try:
-                        verify_chunk(views[j], tr[j * CHECKSUM_BYTES : (j + 1) * CHECKSUM_BYTES], j)
-                    except ChecksumError:
-                        bad = j
-            parts, first, pending = [], i + 1, 0
+        for parts, lo, hi in _groups(views, tr):
+            await stream.recv_into(parts)  # scatter: chunk j -> views[j], checksum j -> trailers
+            bad = _verify(views, tr, lo, hi, bad)
         return bad
 
     async def read_meta(self, hdr: FrameHeader) -> dict[str, Any]:

@@ -61,6 +61,17 @@ def _rejected(ans: dict[str, Any]) -> Rejected | None:
     return Rejected(reason, float(ra) if isinstance(ra, int | float) else None, str(ans.get("detail", "")))
 
 
+def _chunk_ranges_as_bytes(on_verified: Callable[[int, int], None], chunk_size: int, total: int
+                           ) -> Callable[[int, int], None]:
+    """Adapt a ``(first, end)`` chunk-range callback to ``(offset, nbytes)`` of the value."""
+
+    def report(first: int, end: int) -> None:
+        lo = first * chunk_size
+        on_verified(lo, min(end * chunk_size, total) - lo)
+
+    return report
+
+
 class RemoteTier(Tier):
     def __init__(self, cfg: ClientConfig, name: str = "remote") -> None:
         self.cfg = cfg
@@ -151,7 +162,13 @@ class RemoteTier(Tier):
         if isinstance(out, Rejected):
             raise TierFullError(f"{self.name}: server refused the write ({out.reason.value}: {out.detail})")
 
-    def get_into(self, key: bytes, dst: Buffer) -> int:
+    def get_into(self, key: bytes, dst: Buffer, *, on_verified: Callable[[int, int], None] | None = None) -> int:
+        """Read the value into ``dst``; its length. ``on_verified(offset, nbytes)``, if given, is
+        called in order for each byte range of ``dst`` as soon as it has passed its checksum (right
+        after it arrived, still in cache), so a consumer can use the value while the rest arrives.
+        After a reconnect and retry the ranges are reported again from offset 0; after a failed
+        checksum, not at all (the call raises :class:`ChecksumError`)."""
+
         def op(c: ServerConn) -> int | Rejected | None:
             hdr, ans = c.request(MsgType.GET, {"key": key})
             rej = _rejected(ans)
@@ -164,7 +181,8 @@ class RemoteTier(Tier):
                 raise
             cs = hdr.chunk_size
             views = [out[i * cs : i * cs + hdr.chunk_len(i)] for i in range(hdr.n_chunks)]
-            if c.io.read_payload_into(hdr, views):
+            report = None if on_verified is None else _chunk_ranges_as_bytes(on_verified, cs, hdr.payload_len)
+            if c.io.read_payload_into(hdr, views, report):
                 raise ChecksumError(f"{self.name}: value {key.hex()} failed its checksum in transit")
             return hdr.payload_len
 

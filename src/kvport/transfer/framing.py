@@ -36,7 +36,7 @@ import asyncio
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -96,6 +96,11 @@ def _bad_chunks(views: Sequence[memoryview], trailers: memoryview, first: int) -
     want = struct.unpack_from(f"<{len(views)}Q", trailers, first * CHECKSUM_BYTES)
     digest = xxhash.xxh3_64_intdigest
     return [first + i for i, (v, w) in enumerate(zip(views, want, strict=True)) if digest(v) != w]
+
+
+def _report_verified(on_verified: Callable[[int, int], None] | None, first: int, end: int) -> None:
+    if on_verified is not None and end > first:
+        on_verified(first, end)
 
 
 class FrameIO:
@@ -189,11 +194,19 @@ class FrameIO:
             self.t.recv_into([meta_mv])
         return hdr, decode_meta(hdr, meta_mv)
 
-    def read_payload_into(self, hdr: FrameHeader, views: Sequence[memoryview]) -> list[int]:
+    def read_payload_into(self, hdr: FrameHeader, views: Sequence[memoryview],
+                          on_verified: Callable[[int, int], None] | None = None) -> list[int]:
         """Receive chunk i straight into ``views[i]`` (exactly chunk_len(i) bytes each), then verify.
 
         Batch k is verified by a worker while batch k+1 is received; returns (after every check
         finished) the indexes of chunks that failed their checksum (the caller must not link them).
+
+        ``on_verified(first, end)``, if given, is called in chunk order for each run of chunks
+        ``[first, end)`` that passed its checksum, as soon as it has (inline: right after that
+        batch's recv, while its bytes are still in cache), so a consumer can use them while the
+        rest arrives. After a failed chunk it is not called again. An exception it raises
+        propagates once the payload is off the wire or the stream is broken (nothing is left
+        half-read silently).
         """
         n = hdr.n_chunks
         if len(views) != n:
@@ -210,11 +223,14 @@ class FrameIO:
         if self._described is not None and n:
             described = self._described.recv_described_into(views, tr, cs, hdr.payload_len)
             if described is not None:
-                return sorted(described)
+                bad_set = sorted(described)
+                _report_verified(on_verified, 0, bad_set[0] if bad_set else n)
+                return bad_set
         parts: list[memoryview] = []
         first = pending = 0
-        futs: list[Future[list[int]]] = []
+        futs: list[tuple[int, int, Future[list[int]]]] = []
         bad: list[int] = []
+        fail: BaseException | None = None  # from on_verified: raised once the payload is read
         try:
             for i, v in enumerate(views):
                 want = cs if i < last else last_len
@@ -225,17 +241,31 @@ class FrameIO:
                     self.t.recv_into(parts)
                     batch = views[first : i + 1]
                     if not self.overlap or (i == last and not futs):
-                        bad.extend(_bad_chunks(batch, tr, first))  # inline, still in cache
+                        failed = _bad_chunks(batch, tr, first)  # inline, still in cache
+                        if not bad and fail is None and on_verified is not None:
+                            try:
+                                _report_verified(on_verified, first, failed[0] if failed else i + 1)
+                            except Exception as exc:  # re-raised after the payload is read
+                                fail = exc
+                        bad.extend(failed)
                     else:
-                        futs.append(_hash_pool().submit(_bad_chunks, batch, tr, first))
+                        futs.append((first, i + 1, _hash_pool().submit(_bad_chunks, batch, tr, first)))
                     parts, first, pending = [], i + 1, 0
         except BaseException:
-            for fut in futs:  # never raise while a worker still reads the caller's buffers
+            for _, _, fut in futs:  # never raise while a worker still reads the caller's buffers
                 if not fut.cancel():
                     fut.exception()
             raise
-        for fut in futs:  # every chunk is verified before the caller may link anything
-            bad.extend(fut.result())
+        for lo, hi, fut in futs:  # every chunk is verified before the caller may link anything
+            failed = fut.result()
+            if not bad and fail is None and on_verified is not None:
+                try:
+                    _report_verified(on_verified, lo, failed[0] if failed else hi)
+                except Exception as exc:  # re-raised below, after every check
+                    fail = exc
+            bad.extend(failed)
+        if fail is not None:
+            raise fail
         return sorted(bad)
 
     def read_payload(self, hdr: FrameHeader) -> bytes:

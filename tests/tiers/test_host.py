@@ -84,7 +84,8 @@ def test_view_is_zero_copy_into_the_pool() -> None:
 
 def _thp_mode() -> str:
     try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
     except OSError:
         return "unknown"
     return text.split("[")[1].split("]")[0] if "[" in text else "unknown"

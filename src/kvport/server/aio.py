@@ -93,29 +93,46 @@ class BlockingSock:
         vs = as_byte_views(views)
         i = 0
         while i < len(vs):
-            try:
-                n = self.sock.recv_into(vs[i]) if len(vs) - i == 1 else self.sock.recvmsg_into(vs[i : i + _IOV_MAX])[0]
-            except (BlockingIOError, InterruptedError):
+            j = _recv_step(self.sock, vs, i, self.peer)
+            if j is None:
                 self._wait(select.POLLIN)
-                continue
-            except OSError as exc:
-                raise PeerError(f"{self.peer}: receive failed: {exc}") from exc
-            if n == 0:
-                raise PeerError(f"{self.peer}: connection closed by peer")
-            i = advance(vs, i, n)
+            else:
+                i = j
 
     def send(self, parts: Sequence[Buffer]) -> None:
         views = as_byte_views(parts)
         i = 0
         while i < len(views):
-            try:
-                n = self.sock.sendmsg(views[i : i + _IOV_MAX])
-            except (BlockingIOError, InterruptedError):
+            j = _send_step(self.sock, views, i, self.peer)
+            if j is None:
                 self._wait(select.POLLOUT)
-                continue
-            except OSError as exc:
-                raise PeerError(f"{self.peer}: send failed: {exc}") from exc
-            i = advance(views, i, n)
+            else:
+                i = j
+
+
+def _recv_step(sock: socket.socket, vs: list[memoryview], i: int, peer: str) -> int | None:
+    """One non-blocking receive into ``vs[i:]`` (a scatter of up to 512 views): the index of the
+    first unfilled view after it (the partial one sliced in place), or None if it would block."""
+    try:
+        n = sock.recv_into(vs[i]) if len(vs) - i == 1 else sock.recvmsg_into(vs[i : i + _IOV_MAX])[0]
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError as exc:
+        raise PeerError(f"{peer}: receive failed: {exc}") from exc
+    if n == 0:
+        raise PeerError(f"{peer}: connection closed by peer")
+    return advance(vs, i, n)
+
+
+def _send_step(sock: socket.socket, views: list[memoryview], i: int, peer: str) -> int | None:
+    """One non-blocking ``sendmsg`` of ``views[i:]``: the index after it, or None if it would block."""
+    try:
+        n = sock.sendmsg(views[i : i + _IOV_MAX])
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError as exc:
+        raise PeerError(f"{peer}: send failed: {exc}") from exc
+    return advance(views, i, n)
 
 
 class AsyncStream(Protocol):
@@ -161,19 +178,11 @@ class SockStream:
         vs = as_byte_views(views)
         i = 0
         while i < len(vs):
-            try:
-                if len(vs) - i == 1:
-                    n = self.sock.recv_into(vs[i])
-                else:
-                    n = self.sock.recvmsg_into(vs[i : i + _IOV_MAX])[0]
-            except (BlockingIOError, InterruptedError):
+            j = _recv_step(self.sock, vs, i, self.peer)
+            if j is None:
                 await self._ready(self._loop.add_reader, self._loop.remove_reader)
-                continue
-            except OSError as exc:
-                raise PeerError(f"{self.peer}: receive failed: {exc}") from exc
-            if n == 0:
-                raise PeerError(f"{self.peer}: connection closed by peer")
-            i = advance(vs, i, n)  # drop finished views, slice the partial one
+            else:
+                i = j
 
     async def send(self, parts: Sequence[Buffer]) -> None:
         views = as_byte_views(parts)
@@ -182,14 +191,11 @@ class SockStream:
             return
         i = 0
         while i < len(views):
-            try:
-                n = self.sock.sendmsg(views[i : i + _IOV_MAX])
-            except (BlockingIOError, InterruptedError):
+            j = _send_step(self.sock, views, i, self.peer)
+            if j is None:
                 await self._ready(self._loop.add_writer, self._loop.remove_writer)
-                continue
-            except OSError as exc:
-                raise PeerError(f"{self.peer}: send failed: {exc}") from exc
-            i = advance(views, i, n)  # drop finished views, slice the partial one
+            else:
+                i = j
 
     async def _ready(self, add: Callable[..., Any], remove: Callable[[int], bool]) -> None:
         fut: asyncio.Future[None] = self._loop.create_future()

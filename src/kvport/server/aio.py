@@ -59,6 +59,7 @@ VERIFY_GROUP_BYTES = 512 << 10  # payload received per verify step: still in L2 
 OFFLOAD_BYTES = 256 << 10  # payloads from this size go to a bulk I/O thread (when the stream has them)
 _POLL_S = 0.05  # a bulk worker waiting on the socket checks for cancellation this often
 T = TypeVar("T")
+_Step = Callable[[socket.socket, list[memoryview], int, str], int | None]  # one non-blocking recv or send
 
 
 class BulkIO:
@@ -90,22 +91,17 @@ class BlockingSock:
             raise PeerError(f"{self.peer}: cancelled")
 
     def recv_into(self, views: Sequence[memoryview]) -> None:
-        vs = as_byte_views(views)
-        i = 0
-        while i < len(vs):
-            j = _recv_step(self.sock, vs, i, self.peer)
-            if j is None:
-                self._wait(select.POLLIN)
-            else:
-                i = j
+        self._drive(_recv_step, as_byte_views(views), select.POLLIN)
 
     def send(self, parts: Sequence[Buffer]) -> None:
-        views = as_byte_views(parts)
+        self._drive(_send_step, as_byte_views(parts), select.POLLOUT)
+
+    def _drive(self, step: _Step, vs: list[memoryview], events: int) -> None:
         i = 0
-        while i < len(views):
-            j = _send_step(self.sock, views, i, self.peer)
+        while i < len(vs):
+            j = step(self.sock, vs, i, self.peer)
             if j is None:
-                self._wait(select.POLLOUT)
+                self._wait(events)
             else:
                 i = j
 
@@ -175,25 +171,22 @@ class SockStream:
     async def recv_into(self, views: Sequence[memoryview]) -> None:
         """Fill every view in order: one ``recvmsg_into`` scatters into up to 512 views per call,
         and the loop waits for readability only when the kernel buffer is empty."""
-        vs = as_byte_views(views)
-        i = 0
-        while i < len(vs):
-            j = _recv_step(self.sock, vs, i, self.peer)
-            if j is None:
-                await self._ready(self._loop.add_reader, self._loop.remove_reader)
-            else:
-                i = j
+        await self._drive(_recv_step, as_byte_views(views), self._loop.add_reader, self._loop.remove_reader)
 
     async def send(self, parts: Sequence[Buffer]) -> None:
         views = as_byte_views(parts)
         if self._pool is not None and sum(v.nbytes for v in views) >= OFFLOAD_BYTES:
             await self.offload(lambda b: b.send(views))
             return
+        await self._drive(_send_step, views, self._loop.add_writer, self._loop.remove_writer)
+
+    async def _drive(self, step: _Step, vs: list[memoryview], add: Callable[..., Any],
+                     remove: Callable[[int], bool]) -> None:
         i = 0
-        while i < len(views):
-            j = _send_step(self.sock, views, i, self.peer)
+        while i < len(vs):
+            j = step(self.sock, vs, i, self.peer)
             if j is None:
-                await self._ready(self._loop.add_writer, self._loop.remove_writer)
+                await self._ready(add, remove)
             else:
                 i = j
 

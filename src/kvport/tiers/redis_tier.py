@@ -137,14 +137,17 @@ class RedisTier(Tier):
         try:
             conn = pool.get_connection()
             cb = self.chunk_bytes
-            tail = b"" if px is None else b"$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(px)), px)
-            writes = _SetWriter(conn, tail)
-            hashes = [xxhash.xxh3_64() for _ in keys]
-            for key, src, h in zip(keys, srcs, hashes, strict=True):
+            tail = b"\r\n" if px is None else b"\r\n$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(px)), px)
+            digests: list[int] = []
+            for key, src in zip(keys, srcs, strict=True):
+                h = xxhash.xxh3_64()
                 for i in range(self._chunks(src.nbytes)):
-                    writes.add(self._c(key, i), src[i * cb : (i + 1) * cb], h if self.verify else None)
-            sent = writes.flush()  # every value hashed now, each part right after it was written
-            digests = [h.intdigest() if self.verify else 0 for h in hashes]
+                    part = src[i * cb : (i + 1) * cb]
+                    conn.send_packed_command(_resp_set(self._c(key, i), part, tail), check_health=sent == 0)
+                    sent += 1
+                    if self.verify:
+                        h.update(part)  # right after the socket copied it: still in cache
+                digests.append(h.intdigest() if self.verify else 0)
             for cmd in self._header_cmds(keys, srcs, digests, px):
                 conn.send_packed_command(conn.pack_command(*cmd), check_health=False)
                 sent += 1
@@ -358,44 +361,13 @@ class RedisTier(Tier):
 GET_GROUP_BYTES = 8 << 20  # batched gets (and cluster puts) are pipelined in groups of about this many value bytes
 
 
-class _SetWriter:
-    """``SET name value [PX ms]`` commands in RESP, written to a redis-py connection in groups of at
-    least :data:`_SET_GROUP_BYTES` of values (0: every SET on its own): the small parts in one bytes
-    object, each value handed over as it is; after a group is written, its values are hashed while
-    they are still in cache from that copy. (redis-py's packer took ~12 us a command: at 128 SETs of
-    360 KiB, a tenth of the time of the whole put.)"""
-
-    def __init__(self, conn: Any, tail: bytes) -> None:
-        self.conn, self.tail = conn, tail  # tail: the packed PX option, or empty
-        self.n_args = 5 if tail else 3
-        self.parts: list[Buffer] = []
-        self.hashes: list[tuple[Any, memoryview]] = []
-        self.pending = self.sent = 0
-
-    def add(self, name: bytes, value: memoryview, h: Any) -> None:
-        head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (self.n_args, len(name), name, value.nbytes)
-        if self.parts:  # the previous command's end and this one's start: one write
-            head = b"\r\n" + self.tail + head
-        self.parts += (head, value)
-        if h is not None:
-            self.hashes.append((h, value))
-        self.pending += value.nbytes
-        if self.pending >= _SET_GROUP_BYTES:
-            self._write(b"\r\n" + self.tail)
-
-    def _write(self, end: bytes) -> None:
-        self.parts.append(end)
-        self.conn.send_packed_command(self.parts, check_health=self.sent == 0)
-        self.sent += sum(1 for p in self.parts if isinstance(p, memoryview))
-        for h, v in self.hashes:
-            h.update(v)
-        self.parts, self.hashes, self.pending = [], [], 0
-
-    def flush(self) -> int:
-        """Write what is left; the number of SETs written (one reply each)."""
-        if self.parts:
-            self._write(b"\r\n" + self.tail)
-        return self.sent
+def _resp_set(name: bytes, value: memoryview, tail: bytes) -> list[Buffer]:
+    """``SET name value [PX ms]`` in RESP as three writes: the small head, the value as it is, and
+    ``tail`` (CRLF, plus the packed PX option). redis-py's packer took ~12 us a command: at 128 SETs
+    of 360 KiB, a tenth of the time of the whole put. (Writing several SETs at once, 1 or 4 MiB of
+    values, measured no faster here.)"""
+    n_args = 3 if tail == b"\r\n" else 5
+    return [b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (n_args, len(name), name, value.nbytes), value, tail]
 
 
 def zero_copy_packer() -> Any:
@@ -409,8 +381,6 @@ def zero_copy_packer() -> Any:
     encoder: Any = connection.Encoder("utf-8", "strict", False)  # type: ignore[attr-defined,no-untyped-call]
     return connection.PythonRespSerializer(6000, encoder.encode)
 
-
-_SET_GROUP_BYTES = 0  # each SET written as it comes (1 and 4 MiB groups measured no faster here)
 
 
 def pipeline_groups(sizes: Sequence[int], group_bytes: int | None = None) -> list[tuple[int, int]]:

@@ -230,7 +230,18 @@ class FrameIO:
         first = pending = 0
         futs: list[tuple[int, int, Future[list[int]]]] = []
         bad: list[int] = []
-        fail: BaseException | None = None  # from on_verified: raised once the payload is read
+        fail: list[Exception] = []  # from on_verified: raised once the payload is read
+
+        def checked(lo: int, hi: int, failed: list[int]) -> None:
+            """Record batch [lo, hi)'s bad chunks; report its good run, unless an earlier batch
+            failed or the consumer already raised."""
+            if not bad and not fail:
+                try:
+                    _report_verified(on_verified, lo, failed[0] if failed else hi)
+                except Exception as exc:
+                    fail.append(exc)
+            bad.extend(failed)
+
         try:
             for i, v in enumerate(views):
                 want = cs if i < last else last_len
@@ -241,13 +252,7 @@ class FrameIO:
                     self.t.recv_into(parts)
                     batch = views[first : i + 1]
                     if not self.overlap or (i == last and not futs):
-                        failed = _bad_chunks(batch, tr, first)  # inline, still in cache
-                        if not bad and fail is None and on_verified is not None:
-                            try:
-                                _report_verified(on_verified, first, failed[0] if failed else i + 1)
-                            except Exception as exc:  # re-raised after the payload is read
-                                fail = exc
-                        bad.extend(failed)
+                        checked(first, i + 1, _bad_chunks(batch, tr, first))  # inline, still in cache
                     else:
                         futs.append((first, i + 1, _hash_pool().submit(_bad_chunks, batch, tr, first)))
                     parts, first, pending = [], i + 1, 0
@@ -257,15 +262,9 @@ class FrameIO:
                     fut.exception()
             raise
         for lo, hi, fut in futs:  # every chunk is verified before the caller may link anything
-            failed = fut.result()
-            if not bad and fail is None and on_verified is not None:
-                try:
-                    _report_verified(on_verified, lo, failed[0] if failed else hi)
-                except Exception as exc:  # re-raised below, after every check
-                    fail = exc
-            bad.extend(failed)
-        if fail is not None:
-            raise fail
+            checked(lo, hi, fut.result())
+        if fail:
+            raise fail[0]
         return sorted(bad)
 
     def read_payload(self, hdr: FrameHeader) -> bytes:

@@ -1,5 +1,6 @@
-"""``kvport eval quality --codec NAME [--tokens N] [--windows W] [--param K=V]``: codec quality on the
-reference model, printed as JSON (conditions, baseline perplexity, per-codec figures)."""
+"""``kvport eval quality --codec NAME [--tokens N] [--windows W] [--param K=V] [--json PATH]``: codec
+quality on the reference model, printed as JSON (provenance, conditions, baseline perplexity, per-codec
+figures). A result file feeds ``kvport calibrate --quality PATH`` (the planner's codec quality costs)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def quality(codec_names: tuple[str, ...], tokens: int, windows: int, sets: str, 
 
     from kvport.codec import get_codec
     from kvport.config import Settings
-    from kvport.eval import QualityOptions, evaluate
+    from kvport.eval import QualityOptions, evaluate, provenance
     from kvport.eval.texts import TEXT_SETS
     from kvport.refmodel import MODEL_ID, load
     from kvport.spec import DType
@@ -49,7 +50,10 @@ def quality(codec_names: tuple[str, ...], tokens: int, windows: int, sets: str, 
     model, tok = load(Settings.from_env().model_dir)
     opts = QualityOptions(tokens=tokens, windows=windows, sets=chosen, kv_dtype=DType.parse(kv_dtype))
     report = evaluate(model, tok, codecs, opts, model_id=MODEL_ID)
-    text = json.dumps(report.as_dict(), indent=2)
+    argv = [a for c in codec_names for a in ("--codec", c)]
+    argv += ["--tokens", str(tokens), "--windows", str(windows), "--sets", ",".join(chosen)]
+    argv += [a for p in params for a in ("--param", p)] + ["--kv-dtype", kv_dtype]
+    text = json.dumps({"provenance": provenance(["eval", "quality", *argv])} | report.as_dict(), indent=2)
     if json_path:
         Path(json_path).write_text(text + "\n")
     click.echo(text)

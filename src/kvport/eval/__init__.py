@@ -1,10 +1,12 @@
 """Quality harness: KV codecs judged on the reference model (perplexity, top-1 agreement, KL).
 
 ``evaluate(model, tokenizer, codecs, QualityOptions(tokens, windows, sets))`` -> :class:`QualityReport`;
-``kvport eval quality --codec NAME`` is the command-line form.
+``kvport eval quality --codec NAME`` is the command-line form; :func:`provenance` is the block it
+writes beside the report (date, command, commit).
 """
 
+from kvport.eval.provenance import provenance
 from kvport.eval.quality import CodecQuality, QualityOptions, QualityReport, evaluate
 from kvport.eval.texts import TEXT_SETS, windows
 
-__all__ = ["TEXT_SETS", "CodecQuality", "QualityOptions", "QualityReport", "evaluate", "windows"]
+__all__ = ["TEXT_SETS", "CodecQuality", "QualityOptions", "QualityReport", "evaluate", "provenance", "windows"]

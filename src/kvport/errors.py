@@ -12,7 +12,8 @@ so callers catch kvport types only. Backpressure is *not* an error: admission re
     │   ├── UnitError                  "20 GiB/s" style strings that do not parse
     │   ├── UnknownModelError          not a preset and not a config.json
     │   ├── SpecError                  invalid or inconsistent KVSpec fields / config.json
-    │   └── ConfigError                invalid setting (KVPORT_* env, flags, profile file)
+    │   ├── ConfigError                invalid setting (KVPORT_* env, flags, profile file)
+    │   └── MissingExtraError          an optional part whose extra is not installed (also an ImportError)
     ├── KeyingError                    tokens that cannot be keyed (wrong dtype/shape, out of range)
     ├── CodecError
     │   ├── UnknownCodecError          codec id not in the registry
@@ -21,13 +22,16 @@ so callers catch kvport types only. Backpressure is *not* an error: admission re
     ├── TierError
     │   ├── BufferMismatchError        caller buffer of wrong size / dtype / layout
     │   ├── TierFullError              no space (pool exhausted, ENOSPC, quota)
+    │   │   └── QuotaExceededError     a tenant's quota is full of blocks that may not leave
     │   ├── CorruptBlockError          stored bytes fail their checksum or are truncated
     │   ├── TierUnavailableError       the backing service is down (Redis, remote server)
     │   └── BlockNotFoundError         a get of a key the tier does not hold
     ├── OwnershipError
     │   ├── IllegalMoveError           a state transition the ledger does not allow
     │   ├── UnknownBlockError          the ledger has no record of that block
-    │   └── LeaseError                 lease expired / not held / wrong holder
+    │   ├── UnknownPeerError           a hand-off to an owner this ledger does not know
+    │   └── LeaseError                 lease / pin not held, wrong holder
+    │       └── LeaseExpiredError      the lease lapsed at its TTL (releasing it changes nothing)
     ├── TransferError                  the caller should fall back to recompute
     │   ├── ProtocolError              bad magic, unknown version, truncated or oversized frame
     │   ├── IncompatibleSpecError      receiver refused the sender's spec (names the field)
@@ -70,6 +74,19 @@ class ConfigError(UserInputError):
     pass
 
 
+class MissingExtraError(UserInputError, ImportError):
+    """A part of kvport was used whose extra (``pip install 'kvport[NAME]'``) is not installed.
+
+    Also an ImportError, so ``except ImportError`` around an optional import keeps working; raised by
+    :func:`kvport.extras.require`, which names the extra and the packages it found missing.
+    """
+
+    def __init__(self, message: str, extra: str = "", missing: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.extra = extra
+        self.missing = missing
+
+
 # ---------------------------------------------------------------- keys
 class KeyingError(KVPortError):
     pass
@@ -109,6 +126,10 @@ class CorruptBlockError(TierError):
     pass
 
 
+class QuotaExceededError(TierFullError):
+    pass
+
+
 class TierUnavailableError(TierError):
     pass
 
@@ -130,7 +151,15 @@ class UnknownBlockError(OwnershipError):
     pass
 
 
+class UnknownPeerError(OwnershipError):
+    pass
+
+
 class LeaseError(OwnershipError):
+    pass
+
+
+class LeaseExpiredError(LeaseError):
     pass
 
 

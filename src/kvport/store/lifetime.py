@@ -15,23 +15,12 @@ with room, eviction demotes along the list, and leaving the last one drops the b
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from kvport.errors import ConfigError
-
-
-class Lifetime(enum.Enum):
-    REQUEST = "request"
-    SESSION = "session"
-    PREFIX = "prefix"
-
-    @property
-    def rank(self) -> int:
-        """Promotion order: a block's lifetime only moves up (REQUEST < SESSION < PREFIX)."""
-        return {"request": 0, "session": 1, "prefix": 2}[self.value]
+from kvport.lifetime import Lifetime
 
 
 @dataclass(frozen=True, slots=True)

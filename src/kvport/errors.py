@@ -119,7 +119,13 @@ class BufferMismatchError(TierError):
 
 
 class TierFullError(TierError):
-    pass
+    """No room. A refusal that came with backpressure (a server's Rejected) keeps its ``reason`` and
+    ``retry_after_s`` (None: retrying cannot help), so the caller can wait as told."""
+
+    def __init__(self, message: str = "", *, reason: str | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
 
 
 class CorruptBlockError(TierError):

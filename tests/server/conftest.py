@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from kvport.server.client import RemoteTier
-from kvport.server.pool import ClientConfig
+from kvport.client.remote import RemoteTier
+from kvport.client.conn import ClientConfig
 
 MiB = 1 << 20
 

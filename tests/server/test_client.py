@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvport.errors import BlockNotFoundError, BufferMismatchError
-from kvport.server.client import Stored
+from kvport.client.remote import Stored
 from kvport.tiers.base import Tier
 
 from .conftest import MiB

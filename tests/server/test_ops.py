@@ -50,11 +50,13 @@ def test_inspect_shows_usage_tenants_prefixes_pins_leases(shared_server, capsys)
     lease = c.lookup(keys, lease_s=30)
     assert main(["inspect", "--server", f"127.0.0.1:{shared_server.port}", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["server"]["blocks"] >= 3 and doc["server"]["host_used"] >= 3 * MiB
+    host = next(t for t in doc["server"]["tiers"] if t["name"] == "host")
+    assert host["blocks"] >= 3 and host["used"] >= 3 * MiB
     assert [t["name"] for t in doc["tenants"]] == ["default"]
     assert doc["top_prefixes"][0] == {"tenant": "default", "key": keys[2].hex(), "hits": 3, "bytes": MiB,
-                                      "place": "host"}
-    assert {"tenant": "default", "key": keys[0].hex(), "pins": 1} in doc["pins"]
+                                      "tier": "host"}
+    (pin,) = [p for p in doc["pins"] if p["key"] == keys[0].hex()]
+    assert pin["holder"].startswith("client:default/") and pin["count"] == 1 and pin["expires_in_s"] > 0
     assert any(ls["lease"] == lease.lease_id and ls["blocks"] == 3 for ls in doc["leases"])
     assert main(["inspect", "--server", f"127.0.0.1:{shared_server.port}"]) == 0
     text = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Tenant salting, challenge-response, the manifest's torn tail, the staging pool, limits."""
+"""Tenant salting, the tenants file and secret, the staging pool, limits."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvport.errors import ConfigError
-from kvport.server import auth
-from kvport.server.manifest import DiskRecord, Manifest, read_records
+from kvport.server.limits import ServerLimits
 from kvport.server.staging import StagingPool, size_class
 from kvport.server.tenants import Tenant, TenantTable, load_or_create_secret, load_tenants
 
@@ -28,20 +27,6 @@ def test_same_client_key_is_two_storage_keys_for_two_tenants() -> None:
     assert other.storage_key("a", key) != t.storage_key("a", key)
 
 
-def test_mac_proves_the_token_without_sending_it() -> None:
-    t = table()
-    nonce = auth.new_nonce()
-    mac = auth.compute_mac(b"token-of-a", nonce, "a")
-    assert b"token-of-a" not in mac and len(mac) == auth.MAC_BYTES
-    assert auth.verify(t, "a", nonce, mac) is not None
-    assert auth.verify(t, "a", auth.new_nonce(), mac) is None  # replay on another connection
-    assert auth.verify(t, "b", nonce, mac) is None
-    assert auth.verify(t, "a", nonce, b"") is None
-    assert auth.verify(t, "nobody", nonce, mac) is None
-    assert auth.verify(t, "open", nonce, b"") is not None
-    assert not auth.is_loopback("0.0.0.0") and auth.is_loopback("127.0.0.1") and auth.is_loopback("::1")
-
-
 def test_tenants_file_and_secret(tmp_path: Path) -> None:
     f = tmp_path / "t.json"
     f.write_text('{"tenants": [{"name": "a", "token": "12345678", "quota": "2MiB", "admin": true}]}')
@@ -52,18 +37,6 @@ def test_tenants_file_and_secret(tmp_path: Path) -> None:
         load_tenants(f)
     s1 = load_or_create_secret(tmp_path)
     assert load_or_create_secret(tmp_path) == s1 and (tmp_path / "server.secret").stat().st_mode & 0o077 == 0
-
-
-def test_manifest_replays_and_stops_at_a_torn_tail(tmp_path: Path) -> None:
-    m = Manifest(tmp_path)
-    m.rewrite([DiskRecord(b"1" * 16, "a", b"c" * 16, 10)])
-    m.add(DiskRecord(b"2" * 16, "b", b"d" * 16, 20))
-    m.remove(b"1" * 16)
-    m.add(DiskRecord(b"3" * 16, "b", b"e" * 16, 30))
-    m.close()
-    data = m.path.read_bytes()
-    m.path.write_bytes(data[:-3])  # the last record is torn
-    assert set(read_records(m.path)) == {b"2" * 16}
 
 
 def test_staging_pool_reuses_and_never_exceeds_its_limit() -> None:
@@ -80,3 +53,10 @@ def test_staging_pool_reuses_and_never_exceeds_its_limit() -> None:
     pool.give(c)
     d = pool.try_take(8 * MiB)  # frees the two 4 MiB buffers first
     assert d is not None and pool.allocated == 8 * MiB == pool.peak_allocated
+
+
+@pytest.mark.parametrize("field", ["idle_timeout_s", "frame_timeout_s", "lease_ttl_s", "pin_ttl_s"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])
+def test_limits_refuse_nan_infinite_and_non_positive_times(field: str, bad: float) -> None:
+    with pytest.raises(ConfigError, match=field):
+        ServerLimits(**{field: bad})  # type: ignore[arg-type]

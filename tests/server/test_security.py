@@ -12,8 +12,8 @@ import pytest
 
 from kvport.cli.main import main
 from kvport.errors import AuthError, TierUnavailableError
-from kvport.server.auth import compute_mac
-from kvport.transfer.wire import HEADER_BYTES, MsgType, decode_frame, decode_header, encode_frame, frame_bytes
+from kvport.protocol import handshake as hs
+from kvport.protocol.frame import HEADER_BYTES, MsgType, decode_frame, decode_header, encode_frame, frame_bytes
 
 from .conftest import TOKENS, MiB, base_args
 
@@ -53,8 +53,9 @@ def authed_socket(port: int, tenant: str = "default", token: bytes | None = None
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
     mt, meta = recv_frame(s)
     assert mt is MsgType.AUTH_CHALLENGE
-    s.sendall(frame_bytes(encode_frame(MsgType.AUTH_RESPONSE,
-                                       {"tenant": tenant, "mac": compute_mac(token, meta["nonce"], tenant)})))
+    nonce_c = bytes(32)
+    answer = hs.Response(nonce_c, tenant, "raw-test", hs.client_mac(token, meta["nonce_s"], nonce_c, tenant))
+    s.sendall(frame_bytes(encode_frame(MsgType.AUTH_RESPONSE, answer.to_meta())))
     mt, _ = recv_frame(s)
     assert mt is MsgType.AUTH_OK
     return s
@@ -88,7 +89,7 @@ def test_oversized_and_malformed_frames_refused_before_allocation(shared_server)
     # before auth: 1 KiB metadata cap
     s = socket.create_connection(("127.0.0.1", shared_server.port), timeout=5)
     recv_frame(s)
-    head = encode_frame(MsgType.AUTH_RESPONSE, {"tenant": "x" * 5000})[0]
+    head = encode_frame(MsgType.AUTH_RESPONSE, {"who": "x" * 5000})[0]
     s.sendall(head[:HEADER_BYTES])
     mt, meta = recv_frame(s)
     assert mt is MsgType.ERROR and "oversized" in meta["message"]
@@ -192,8 +193,8 @@ def test_a_tenant_probing_another_tenants_prefix_gets_misses(tenant_server) -> N
     n = alice.get_into(keys[0], out)
     assert bytes(out[:n]) == value.tobytes()
     assert bob.get_into(keys[0], out) == MiB and not any(out[:MiB])
-    assert [t["name"] for t in bob.stats()["tenants"]] == ["bob"]  # non-admin sees itself only
-    assert {t["name"] for t in alice.stats()["tenants"]} == {"alice", "bob", "small", "big"}  # admin
+    assert [t.name for t in bob.stats().tenants] == ["bob"]  # non-admin sees itself only
+    assert {t.name for t in alice.stats().tenants} == {"alice", "bob", "small", "big"}  # admin
     alice.close()
     bob.close()
     with pytest.raises((AuthError, TierUnavailableError)):

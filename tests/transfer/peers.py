@@ -11,12 +11,14 @@ from typing import Any
 import numpy as np
 
 from kvport import memops
+from kvport.ledger import Ledger, Owner
+from kvport.protocol.frame import MsgType, encode_frame, frame_bytes
+from kvport.protocol.sync import FrameIO
+from kvport.protocol.transfer import LayerHead, TransferAccept, TransferBegin
 from kvport.spec import DType, KVSpec
-from kvport.transfer import Sender, TransferMeta
+from kvport.transfer import BlockTableDestination, Receiver, Sender, TransferMeta
 from kvport.transfer import shm as shm_mod
 from kvport.transfer import tcp as tcp_mod
-from kvport.transfer.framing import FrameIO
-from kvport.transfer.wire import MsgType, encode_frame, frame_bytes
 
 SPEC = KVSpec("test/model", num_layers=4, num_kv_heads=2, head_dim=32, dtype=DType.FP16, block_size=16,
               revision="r1")
@@ -99,10 +101,10 @@ def corrupt_sender_main(port: int, q: Any) -> None:
     t = tcp_mod.connect("127.0.0.1", port, timeout_s=10)
     io = FrameIO(t)
     meta = TransferMeta(SPEC, "req-corrupt", keys())
-    io.send(MsgType.TRANSFER_BEGIN, {"tid": 1, **meta.to_wire()})
+    io.send(MsgType.TRANSFER_BEGIN, TransferBegin(1, meta).to_meta())
     acc = io.read_frame()
     src = source()
-    buf = bytearray(frame_bytes(encode_frame(MsgType.LAYER, {"tid": 1, "layer": 0, "b0": 0},
+    buf = bytearray(frame_bytes(encode_frame(MsgType.LAYER, LayerHead(1, 0, 0).to_meta(),
                                              layer_views(src, SPEC, 0), SPEC.bytes_per_layer_block)))
     buf[-100] ^= 0xFF  # inside the last chunk's data
     t.send([bytes(buf)])
@@ -115,11 +117,54 @@ def corrupt_sender_main(port: int, q: Any) -> None:
 
 
 def stalled_receiver_main(port: int, q: Any) -> None:
-    """Accept one transfer with a huge grant, then never read again."""
+    """Accept one transfer with a huge grant (as engine:decode), then never read again."""
     t = tcp_mod.connect("127.0.0.1", port, timeout_s=30)
     t.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
     io = FrameIO(t)
-    f = io.read_frame()
-    io.send(MsgType.TRANSFER_ACCEPT, {"tid": f.meta["tid"], "budget": 1 << 40, "grant": 1 << 40})
+    begin = TransferBegin.from_meta(io.read_frame().meta)
+    io.send(MsgType.TRANSFER_ACCEPT, TransferAccept(begin.tid, 1 << 40, 1 << 40, str(DECODE)).to_meta())
     q.put("stalled")
     time.sleep(60)
+
+
+# ---------------------------------------------------------------------- ownership across processes
+PREFILL, DECODE = Owner.engine("prefill"), Owner.engine("decode")
+
+
+def history(ledger: Ledger) -> list[tuple[str, str, str, str, str | None]]:
+    """A ledger's moves as plain data (move, key hex, from, to, transfer id) for the parent."""
+    return [(r.move.value, r.key.hex(), str(r.owner_from), str(r.owner_to), r.tid) for r in ledger.history]
+
+
+def handoff_receiver_main(conn: Any) -> None:
+    """The decode process: its own ledger, prefill its one known peer. Sends its port, then (after
+    the transfer) its ledger's history and whether the bytes arrived intact."""
+    lst = tcp_mod.TcpListener()
+    conn.send(lst.port)
+    t = lst.accept(timeout_s=20)
+    ledger = Ledger()
+    dst = np.zeros((N_BLOCKS, SPEC.bytes_per_block), dtype=np.uint8)
+    rx = Receiver(t, SPEC, lambda m: BlockTableDestination(dst, range(N_BLOCKS), m), budget_bytes=1 << 20,
+                  ledger=ledger, owner=DECODE, peers=(PREFILL,))
+    rx.start()
+    inc = rx.next_transfer(timeout=20)
+    try:
+        inc.wait(timeout=20)
+    finally:
+        conn.send({"state": inc.state.value, "history": history(ledger), "intact": bool(np.array_equal(dst, source()))})
+        rx.close()
+        lst.close()
+
+
+def handoff_sender_main(port: int, conn: Any) -> None:
+    """The prefill process: owns the blocks in its ledger, hands them to decode; sends its history."""
+    ledger = Ledger()
+    for k in keys():
+        ledger.register(k, PREFILL)
+    s = Sender(tcp_mod.connect("127.0.0.1", port, timeout_s=10), ledger=ledger, owner=PREFILL, peer=DECODE)
+    src = source()
+    try:
+        h = s.send(TransferMeta(SPEC, "handoff", keys()), lambda layer: layer_views(src, SPEC, layer))
+        conn.send({"state": h.state.value, "ledger_tid": h.ledger_tid, "history": history(ledger)})
+    finally:
+        s.close()

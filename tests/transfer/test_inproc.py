@@ -37,11 +37,11 @@ from kvport.transfer import (
     shm,
 )
 from kvport.transfer import tcp as tcp_mod
-from kvport.transfer.framing import FrameIO, read_frame_async, write_frame_async
+from kvport.protocol.sync import FrameIO, read_frame_async, write_frame_async
 from kvport.transfer.loadtest import tcp_pair
 from kvport.transfer.sender import LayerStreamer
-from kvport.transfer.transport import RateLimited, TokenBucket
-from kvport.transfer.wire import Flags, MsgType, split_chunks
+from kvport.transfer.ratelimit import RateLimited, TokenBucket
+from kvport.protocol.frame import Flags, MsgType, split_chunks
 
 from . import peers
 
@@ -123,26 +123,30 @@ def _views(src: np.ndarray) -> Any:
 
 def test_host_tier_destination_and_ledger_hand_off() -> None:
     tier = HostTier(2 * N * SPEC.bytes_per_block, SPEC.bytes_per_block, pin=False)
-    ledger = Ledger()
+    ledger, theirs = Ledger(), Ledger()
     prefill, decode = Owner.engine("prefill"), Owner.engine("decode")
     ks = peers.keys()
     for k in ks:
         ledger.register(k, prefill)
-    s, rx = _run("inproc", host_tier_factory(tier), {"ledger": ledger, "owner": prefill, "peer": decode})
+    s, rx = _run("inproc", host_tier_factory(tier), {"ledger": ledger, "owner": prefill, "peer": decode},
+                 ledger=theirs, owner=decode, peers=(prefill,))
     src = peers.source()
     h = s.send(TransferMeta(SPEC, "r", ks), _views(src))
     assert h.state.value == "committed"
-    assert all(ledger.owner_of(k) == decode and ledger.state_of(k) is BlockState.COMMITTED for k in ks)
+    assert not any(ledger.knows(k) for k in ks)  # handed off: they left the sender's ledger
+    assert all(theirs.owner_of(k) == decode and theirs.state_of(k) is BlockState.COMMITTED for k in ks)
     for i, k in enumerate(ks):
         assert bytes(tier.view(k)) == src[i].tobytes()
-    # refusal: the ledger hands the blocks back, nothing reaches the tier
-    for k in ks:
-        ledger.hand_off(k, decode, prefill)
-    bad = TransferMeta(SPEC.with_(head_dim=64), "r2", ks)
+    # refusal: nothing moves in either ledger, nothing reaches the tier
+    ks2 = peers.keys(N, salt=2)
+    for k in ks2:
+        ledger.register(k, prefill)
+    bad = TransferMeta(SPEC.with_(head_dim=64), "r2", ks2)
     with pytest.raises(IncompatibleSpecError) as ei:
         s.send(bad, _views(src))
     assert ei.value.field == "head_dim"
-    assert all(ledger.owner_of(k) == prefill for k in ks)
+    assert all(ledger.owner_of(k) == prefill and ledger.state_of(k) is BlockState.COMMITTED for k in ks2)
+    assert not any(theirs.knows(k) for k in ks2)
     assert tier.used_bytes == N * SPEC.bytes_per_block
     s.close()
     rx.close()
@@ -271,7 +275,7 @@ def test_backpressure_timeout_returns_credits() -> None:
     with pytest.raises(BackpressureTimeout):
         s.send_layer(h, 0, peers.layer_views(peers.source(), SPEC, 0))  # 8 blocks, credit for 4
     assert isinstance(s.try_admit(), Rejected)  # 4 of 4 in use: above the high watermark
-    with pytest.raises(Exception, match="aborted"):
+    with pytest.raises(BackpressureTimeout, match="peer: no credit"):  # the sender's reason, typed
         inc.wait(5)
     assert rx.pool.in_use == 0  # the receiver gave the credits back on abort
 

@@ -18,8 +18,9 @@ from kvport.tiers.host import HostTier
 from kvport.transfer import BlockTableDestination, Receiver, Sender, TransferMeta, host_tier_factory
 from kvport.transfer import shm as shm_mod
 from kvport.transfer import tcp as tcp_mod
+from kvport.protocol.frame import MsgType, encode_frame, frame_bytes
+from kvport.protocol.transfer import LayerHead, TransferBegin
 from kvport.transfer.loadtest import scenario_spec
-from kvport.transfer.wire import MsgType, encode_frame, frame_bytes
 
 from . import peers
 
@@ -136,7 +137,7 @@ def test_sender_dies_or_resets_mid_stream(kind: str, mode: str) -> None:
 
 def _valid_begin() -> bytes:
     meta = TransferMeta(peers.SPEC, "raw", peers.keys())
-    return frame_bytes(encode_frame(MsgType.TRANSFER_BEGIN, {"tid": 1, **meta.to_wire()}))
+    return frame_bytes(encode_frame(MsgType.TRANSFER_BEGIN, TransferBegin(1, meta).to_meta()))
 
 
 def _header(magic: bytes = b"KVPT", version: int = 1, meta_len: int = 0, chunk: int = 0, payload: int = 0) -> bytes:
@@ -167,7 +168,7 @@ def test_bad_frames_get_a_typed_answer(blob: bytes, answer: tuple[str, str]) -> 
 def test_truncated_frame() -> None:
     lst = _listener("tcp")
     begin = _valid_begin()
-    layer = frame_bytes(encode_frame(MsgType.LAYER, {"tid": 1, "layer": 0, "b0": 0},
+    layer = frame_bytes(encode_frame(MsgType.LAYER, LayerHead(1, 0, 0).to_meta(),
                                      peers.layer_views(peers.source(), peers.SPEC, 0),
                                      peers.SPEC.bytes_per_layer_block))
     with child(peers.raw_main, lst.port, begin + layer[: len(layer) // 2]) as (_, __):
@@ -200,7 +201,7 @@ def test_peer_that_stops_reading() -> None:
     src = np.ones((n, spec.bytes_per_block), dtype=np.uint8)
     ks = peers.keys(n, salt=9)
     ledger = Ledger()
-    me, peer = Owner.engine("prefill"), Owner.engine("decode")
+    me, peer = peers.PREFILL, peers.DECODE
     for k in ks:
         ledger.register(k, me)
     lst = _listener("tcp")
@@ -222,3 +223,36 @@ def test_peer_that_stops_reading() -> None:
             s.begin(TransferMeta(spec, "after", ks))
         p.kill()
     lst.close()
+
+
+def test_hand_off_between_two_processes_is_recorded_by_both_ledgers() -> None:
+    """Prefill and decode in their own processes, each with its own ledger, over TCP on 127.0.0.1:
+    the sender's history shows HANDED_OFF to decode and the receiver's ACQUIRE from prefill, both
+    under the one transfer id that crossed the wire."""
+    r_in, r_out = CTX.Pipe(duplex=False)
+    s_in, s_out = CTX.Pipe(duplex=False)
+    rproc = CTX.Process(target=peers.handoff_receiver_main, args=(r_out,), daemon=True)
+    rproc.start()
+    try:
+        assert r_in.poll(20)
+        port = r_in.recv()
+        sproc = CTX.Process(target=peers.handoff_sender_main, args=(port, s_out), daemon=True)
+        sproc.start()
+        try:
+            assert s_in.poll(30) and r_in.poll(30)
+            sent, got = s_in.recv(), r_in.recv()
+        finally:
+            sproc.join(10)
+    finally:
+        rproc.join(10)
+        for p in (rproc, sproc):
+            if p.is_alive():
+                p.kill()
+    tid = sent["ledger_tid"]
+    keys = [k.hex() for k in peers.keys()]
+    assert sent["state"] == "committed" and got["state"] == "committed" and got["intact"]
+    handed = [(key, to, t) for move, key, _, to, t in sent["history"] if move == "handed_off"]
+    assert handed == [(k, str(peers.DECODE), tid) for k in keys]
+    acquired = [(key, frm, to, t) for move, key, frm, to, t in got["history"] if move == "acquire"]
+    assert acquired == [(k, str(peers.PREFILL), str(peers.DECODE), tid) for k in keys]
+    assert [m for m, *_ in got["history"]] == ["acquire"] * len(keys)  # nothing else happened there

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvport.errors import ChecksumError, KVPortError, ProtocolError
-from kvport.transfer.wire import (
+from kvport.protocol.frame import (
     CHECKSUM_BYTES,
     HEADER_BYTES,
     Flags,
@@ -96,7 +96,7 @@ def test_checksums() -> None:
 def test_metadata_rejects_non_map_and_ext() -> None:
     import msgpack
 
-    from kvport.transfer.wire import encode_header
+    from kvport.protocol.frame import encode_header
 
     for meta in (msgpack.packb([1, 2]), msgpack.packb({"a": msgpack.ExtType(1, b"x")}), msgpack.packb({1: 2})):
         with pytest.raises(ProtocolError):
@@ -124,7 +124,7 @@ def test_fuzz_mutated_valid_frames(pos: int, byte: int, payload: bytes) -> None:
 
 
 def test_advance_drops_finished_views_and_slices_the_partial_one() -> None:
-    from kvport.transfer.transport import advance
+    from kvport.protocol.transport import advance
 
     views = [memoryview(b"abc"), memoryview(b"defg"), memoryview(b"hi")]
     assert advance(views, 0, 0) == 0

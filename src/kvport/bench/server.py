@@ -60,11 +60,11 @@ import xxhash
 
 from kvport.bench.harness import Report, SuiteOptions, conditions, finish, gbps, ratio
 from kvport.bench.limits import raw_socket_gbps
+from kvport.client.conn import ClientConfig
+from kvport.client.remote import RemoteTier
 from kvport.errors import BlockNotFoundError, KVPortError
 from kvport.server.app import DEFAULT_IO_THREADS
-from kvport.server.client import RemoteTier
 from kvport.server.limits import Rejected
-from kvport.server.pool import ClientConfig
 
 MiB = 1 << 20
 CLIENTS = 16

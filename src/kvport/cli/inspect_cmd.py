@@ -1,46 +1,110 @@
-"""``kvport inspect --server HOST:PORT``: usage, tenants, top prefixes, pins and leases of a server."""
+"""``kvport inspect --server HOST:PORT``: usage, owners and leaks of a running server.
+
+::
+
+    kvport inspect --server H:P                  usage, tenants, top prefixes, pins, leases
+    kvport inspect --server H:P --owners KEY     who holds the block KEY (32 hex) and the prefix it ends:
+                                                 owner, tiers, lifetime, pins (holder, reason, since),
+                                                 leases, the client that handed it to the pool
+    kvport inspect --server H:P --owners ab12    every block whose key starts with that hex
+    kvport inspect --server H:P --leaks          pins and leases past their TTL, blocks without an
+                                                 owner, ledger records without bytes, orphan children
+                                                 (exit code 1 when any)
+
+A tenant sees its own blocks only; an admin tenant sees all. ``--json`` prints the typed answer.
+"""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import sys
+from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.table import Table
 
 from kvport.cli.serve_cmd import parse_listen
+from kvport.client.conn import ClientConfig
+from kvport.client.remote import RemoteTier
 from kvport.config import Settings
-from kvport.server.client import RemoteTier
-from kvport.server.pool import ClientConfig
+from kvport.errors import UserInputError
+from kvport.keys import KEY_BYTES
+from kvport.protocol.server import LeaksAnswer, OwnersAnswer, PinRow, StatsAnswer
 from kvport.units import format_bytes
 
 
-def _render(s: dict[str, Any]) -> None:
-    con = Console()
-    srv = s["server"]
-    con.print(f"host {format_bytes(srv['host_used'])} / {format_bytes(srv['host_capacity'])}   "
-              f"disk {format_bytes(srv['disk_used'])} / {format_bytes(srv['disk_capacity'])}   "
-              f"blocks {srv['blocks']}   connections {srv['connections']}   "
-              f"staging {format_bytes(srv['staging_bytes'])}   uptime {srv['uptime_s']:.0f} s"
-              + ("   DRAINING" if srv["draining"] else ""))
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _pins(rows: tuple[PinRow, ...]) -> str:
+    return "; ".join(f"{p.holder} x{p.count} ({p.reason or 'no reason'}) since {p.since_s:.0f}s ago, "
+                     f"expires in {_s(p.expires_in_s)}s" for p in rows) or "-"
+
+
+def _render_stats(s: StatsAnswer, con: Console) -> None:
+    srv = s.server
+    if srv is not None:
+        con.print("   ".join(f"{t.name} {format_bytes(t.used)} / {format_bytes(t.capacity)} ({t.blocks} blocks)"
+                             for t in srv.tiers)
+                  + f"   connections {srv.connections}   staging {format_bytes(srv.staging_bytes)}"
+                  + f"   uptime {srv.uptime_s:.0f} s" + ("   DRAINING" if srv.draining else ""))
     t = Table("tenant", "bytes", "blocks", "quota", "connections", title="tenants")
-    for row in s["tenants"]:
-        t.add_row(row["name"], format_bytes(row["bytes"]), str(row["blocks"]),
-                  "-" if row["quota"] is None else format_bytes(row["quota"]), str(row["connections"]))
+    for row in s.tenants:
+        t.add_row(row.name, format_bytes(row.bytes), str(row.blocks),
+                  "-" if row.quota is None else format_bytes(row.quota), str(row.connections))
     con.print(t)
-    t = Table("tenant", "prefix (last block key)", "hits", "bytes", "place", title="top prefixes")
-    for row in s["top_prefixes"]:
-        t.add_row(row["tenant"], row["key"], str(row["hits"]), format_bytes(row["bytes"]), row["place"])
+    t = Table("tenant", "prefix (last block key)", "hits", "bytes", "tier", title="top prefixes")
+    for p in s.top_prefixes:
+        t.add_row(p.tenant, p.key, str(p.hits), format_bytes(p.bytes), p.tier)
     con.print(t)
-    t = Table("tenant", "key", "pins", title="pins")
-    for row in s["pins"]:
-        t.add_row(row["tenant"], row["key"], str(row["pins"]))
+    t = Table("key", "holder", "pins", "reason", "since (s)", "expires in (s)", title="pins")
+    for pin in s.pins:
+        t.add_row(pin.key, pin.holder, str(pin.count), pin.reason, f"{pin.since_s:.0f}", _s(pin.expires_in_s))
     con.print(t)
-    t = Table("lease", "tenant", "blocks", "expires in (s)", title="leases")
-    for row in s["leases"]:
-        t.add_row(str(row["lease"]), row["tenant"], str(row["blocks"]), f"{row['expires_in_s']:.1f}")
+    t = Table("lease", "holder", "blocks", "expires in (s)", title="leases")
+    for ls in s.leases:
+        t.add_row(str(ls.lease), ls.holder, str(ls.blocks), _s(ls.expires_in_s))
     con.print(t)
+
+
+def _render_owners(o: OwnersAnswer, con: Console) -> None:
+    t = Table("key", "owner", "handed off by", "tiers", "lifetime", "expires in (s)", "parent", "children",
+              "pins (holder, reason, since)", "leases", title="owners" + (" (truncated)" if o.truncated else ""))
+    for b in o.blocks:
+        t.add_row(b.key, f"{b.owner} ({b.state}, {b.since_s:.0f}s)", b.handed_off_by or "-", ",".join(b.tiers),
+                  b.lifetime.value, _s(b.expires_in_s), b.parent or "(root)", str(b.children), _pins(b.pins),
+                  "; ".join(f"#{ls.lease} {ls.holder} {_s(ls.expires_in_s)}s" for ls in b.leases) or "-")
+    con.print(t)
+    if not o.blocks:
+        con.print("no such block (or not this tenant's)")
+
+
+def _render_leaks(rep: LeaksAnswer, con: Console) -> None:
+    if rep.clean:
+        con.print("no leaks: every pin and lease is within its TTL, every block has an owner and its parent")
+        return
+    for title, rows in (("pins past their TTL", [f"{p.key} {p.holder} ({p.reason}) {_s(p.expires_in_s)}s"
+                                                 for p in rep.expired_pins]),
+                        ("leases past their TTL", [f"#{ls.lease} {ls.holder} {ls.blocks} blocks "
+                                                   f"{_s(ls.expires_in_s)}s" for ls in rep.expired_leases]),
+                        ("blocks without an owner", list(rep.without_owner)),
+                        ("ledger records without bytes", list(rep.unstored_records)),
+                        ("children kept without their parent", list(rep.orphan_children))):
+        if rows:
+            con.print(f"[bold]{title}[/bold] ({len(rows)})")
+            for r in rows:
+                con.print(f"  {r}")
+
+
+def _owner_query(arg: str) -> tuple[tuple[bytes, ...], str]:
+    text = arg.strip().lower()
+    if not text or len(text) > 2 * KEY_BYTES or any(c not in "0123456789abcdef" for c in text):
+        raise UserInputError(f"--owners expects a block key (32 hex digits) or a hex prefix of one, got {arg!r}")
+    if len(text) == 2 * KEY_BYTES:
+        return (bytes.fromhex(text),), ""
+    return (), text
 
 
 @click.command(name="inspect")
@@ -49,22 +113,36 @@ def _render(s: dict[str, Any]) -> None:
 @click.option("--token", default=None, help="tenant token (default: KVPORT_AUTH_TOKEN)")
 @click.option("--tls", is_flag=True, help="connect with TLS")
 @click.option("--tls-ca", default=None, type=click.Path(dir_okay=False, exists=True))
-@click.option("--json", "as_json", is_flag=True, help="print the raw JSON")
-def inspect_cmd(server: str, tenant: str, token: str | None, tls: bool, tls_ca: str | None, as_json: bool) -> None:
-    """Show a running server's usage, tenants, top prefixes, pins and leases."""
-    from pathlib import Path
-
+@click.option("--owners", "owners", default=None, metavar="KEY|PREFIX",
+              help="who holds a block (32 hex digits: it and the prefix it ends) or every block with that hex prefix")
+@click.option("--leaks", "leaks", is_flag=True, help="pins/leases past their TTL, blocks without owner or parent")
+@click.option("--json", "as_json", is_flag=True, help="print the answer as JSON")
+def inspect_cmd(server: str, tenant: str, token: str | None, tls: bool, tls_ca: str | None, owners: str | None,
+                leaks: bool, as_json: bool) -> None:
+    """Show a running server's usage, tenants, top prefixes, pins and leases; or owners; or leaks."""
     host, port = parse_listen(server)
+    query = _owner_query(owners) if owners is not None else None
     cfg = ClientConfig(host=host, port=port, tenant=tenant, token=token or Settings.from_env().auth_token,
                        tls=tls, tls_ca=Path(tls_ca) if tls_ca else None, pool_size=1, retries=1)
-    tier = RemoteTier(cfg)
+    tier = RemoteTier(cfg, name="server")
     try:
-        stats = tier.stats()
+        answer: StatsAnswer | OwnersAnswer | LeaksAnswer
+        if query is not None:
+            answer = tier.owners(*query)
+        elif leaks:
+            answer = tier.leaks()
+        else:
+            answer = tier.stats()
     finally:
         tier.close()
+    con = Console()
     if as_json:
-        click.echo(json.dumps(stats, indent=2))
+        click.echo(json.dumps(answer.to_meta(), indent=2, default=lambda b: b.hex() if isinstance(b, bytes) else b))
+    elif isinstance(answer, OwnersAnswer):
+        _render_owners(answer, con)
+    elif isinstance(answer, LeaksAnswer):
+        _render_leaks(answer, con)
     else:
-        _render(stats)
-
-
+        _render_stats(answer, con)
+    if isinstance(answer, LeaksAnswer) and not answer.clean:
+        sys.exit(1)

@@ -1,26 +1,31 @@
 """RemoteTier: the kvport server as a :class:`~kvport.tiers.base.Tier` for the TieredStore.
 
 The store receives a ``RemoteTier`` by dependency injection and sees only the Tier interface; the
-extra calls (``lookup``, ``pin``, ``lease``, ``stats``) are for callers that know they talk to a
-server. Keys are the caller's block keys; the server salts them with the tenant, so two tenants
-never share or observe each other's blocks.
+block's metadata it passes to ``put_block`` (parent, lifetime class, TTL: ``caps.block_meta``)
+travels with the PUT, so the pool records the hand-off with the block's lifetime and evicts
+prefix-aware (a parent never leaves before its children; a child whose parent is not stored is
+refused). The extra calls (``lookup``, ``pin``, ``lease``, ``owners``, ``leaks``, ``stats``) are for
+callers that know they talk to a server. Keys are the caller's block keys; the server salts them
+with the tenant, so two tenants never share or observe each other's blocks.
 
 Retries never duplicate or corrupt a write: a PUT is idempotent by key (a retried PUT of a value
 that was committed before the connection broke answers ``exists``), the server makes a value
 visible only after every chunk passed its checksum, and a connection that saw any error is
 closed, never reused. A PUT refused with a retry-after (BUSY, FULL, QUOTA) is retried after that
-delay for up to ``backpressure_timeout_s``; then ``put`` raises :class:`TierFullError` and
-``put_value`` returns the :class:`Rejected` value. GETs, lookups and deletes are retried the same
-way; PIN/UNPIN/LEASE are not resent once sent (they are not idempotent).
+delay for up to ``backpressure_timeout_s``; then ``put_value`` returns the :class:`Rejected` value
+as the server sent it and ``put`` raises :class:`TierFullError` carrying its reason and
+``retry_after_s``. GETs, lookups and deletes are retried the same way; PIN/UNPIN/LEASE are not
+resent once sent (they are not idempotent).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
+from kvport.client.conn import ClientConfig, ConnPool, ServerConn
 from kvport.errors import (
     BlockNotFoundError,
     BufferMismatchError,
@@ -30,10 +35,36 @@ from kvport.errors import (
     TierFullError,
     TierUnavailableError,
 )
-from kvport.server.limits import Rejected, RejectReason
-from kvport.server.pool import ClientConfig, ConnPool, ServerConn
-from kvport.tiers.base import Buffer, Tier, TierCaps, byte_view, writable_view
-from kvport.transfer.wire import MsgType
+from kvport.lifetime import Lifetime
+from kvport.protocol.rejects import Rejected
+from kvport.protocol.schema import decode
+from kvport.protocol.server import (
+    Contains,
+    ContainsAnswer,
+    CountAnswer,
+    Delete,
+    Done,
+    Get,
+    GetAnswer,
+    Leaks,
+    LeaksAnswer,
+    Lease,
+    LeaseAnswer,
+    Lookup,
+    LookupAnswer,
+    Owners,
+    OwnersAnswer,
+    Pin,
+    Ping,
+    PinSpec,
+    Put,
+    PutAnswer,
+    Release,
+    Stats,
+    StatsAnswer,
+    Unpin,
+)
+from kvport.tiers.base import BlockMeta, Buffer, Tier, TierCaps, byte_view, writable_view
 
 T = TypeVar("T")
 _RETRYABLE = (PeerError, ProtocolError, ChecksumError)
@@ -48,17 +79,6 @@ class LookupResult:
 @dataclass(frozen=True, slots=True)
 class Stored:
     existed: bool  # True when the server already held this key (an idempotent retry, or a duplicate)
-
-
-def _rejected(ans: dict[str, Any]) -> Rejected | None:
-    if "rejected" not in ans:
-        return None
-    try:
-        reason = RejectReason(ans["rejected"])
-    except ValueError as exc:
-        raise ProtocolError(f"unknown rejection {ans['rejected']!r}") from exc
-    ra = ans.get("retry_after")
-    return Rejected(reason, float(ra) if isinstance(ra, int | float) else None, str(ans.get("detail", "")))
 
 
 def _chunk_ranges_as_bytes(on_verified: Callable[[int, int], None], chunk_size: int, total: int
@@ -80,7 +100,8 @@ class RemoteTier(Tier):
         conn = self._take()
         self.page_bytes, max_value = conn.page_bytes, conn.max_value_bytes
         self._pool.give(conn, True)
-        self.caps = TierCaps(persistent=True, shared=True, zero_copy_read=False, max_value_bytes=max_value)
+        self.caps = TierCaps(persistent=True, shared=True, zero_copy_read=False, max_value_bytes=max_value,
+                             block_meta=True)
         self._scratch = memoryview(bytearray(1 << 16))
 
     # ------------------------------------------------------------ plumbing
@@ -126,41 +147,59 @@ class RemoteTier(Tier):
             time.sleep(out.retry_after_s)
 
     # ------------------------------------------------------------ Tier: sizes
-    def _brief(self) -> dict[str, Any]:
-        _, ans = self._call(lambda c: c.request(MsgType.STATS, {"brief": True}))
-        return ans
+    def _brief(self) -> StatsAnswer:
+        return self._call(lambda c: c.call(Stats(brief=True), StatsAnswer))
 
     @property
     def capacity_bytes(self) -> int:
-        """This tenant's quota, else the server's host + disk capacity (one round trip)."""
+        """This tenant's quota, else the server's capacity (one round trip)."""
         s = self._brief()
-        return int(s["quota"] or s["capacity"])
+        return int(s.quota or s.capacity)
 
     @property
     def used_bytes(self) -> int:
         """Charged bytes (whole pages) this tenant holds on the server (one round trip)."""
-        return int(self._brief()["used"])
+        return int(self._brief().used)
 
     # ------------------------------------------------------------ Tier: values
-    def put_value(self, key: bytes, data: Buffer, pin: bool = False) -> Stored | Rejected:
-        """Store ``data`` under ``key``; backpressure comes back as a value after the retry window."""
-        mv = byte_view(data)
-        if not 0 < mv.nbytes <= self.caps.max_value_bytes:
-            raise BufferMismatchError(f"{self.name}: value of {mv.nbytes} bytes (1..{self.caps.max_value_bytes})")
+    def put_value(self, key: bytes, data: Buffer | Sequence[Buffer], *, parent: bytes | None = None,
+                  lifetime: Lifetime = Lifetime.PREFIX, ttl_s: float | None = None,
+                  pin: PinSpec | bool | None = None) -> Stored | Rejected:
+        """Store ``data`` (a buffer, or pages of ``page_bytes``) under ``key`` as the child of
+        ``parent``; backpressure comes back as the server's :class:`Rejected` after the retry window.
+        ``pin``: pin it for this client once stored (``True``: no reason, the server's pin TTL)."""
         pb = self.page_bytes
-        chunks = [mv[i : i + pb] for i in range(0, mv.nbytes, pb)]
+        parts = [byte_view(p) for p in data] if isinstance(data, list | tuple) else [byte_view(data)]  # type: ignore[arg-type]
+        n = sum(p.nbytes for p in parts)
+        if not 0 < n <= self.caps.max_value_bytes:
+            raise BufferMismatchError(f"{self.name}: value of {n} bytes (1..{self.caps.max_value_bytes})")
+        if len(parts) > 1 and all(p.nbytes == pb for p in parts[:-1]) and parts[-1].nbytes <= pb:
+            chunks = parts
+        else:
+            mv = parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
+            chunks = [mv[i : i + pb] for i in range(0, mv.nbytes, pb)]
+        spec = PinSpec() if pin is True else (pin or None)
+        req = Put(key, parent, lifetime, float(ttl_s or 0.0), spec)
 
         def op(c: ServerConn) -> Stored | Rejected:
-            _, ans = c.request(MsgType.PUT, {"key": key, "pin": pin}, chunks)
-            rej = _rejected(ans)
-            return rej if rej is not None else Stored(ans.get("status") == "exists")
+            _, ans = c.request(req, chunks)
+            rej = Rejected.from_meta(ans)
+            return rej if rej is not None else Stored(decode(PutAnswer, ans).existed)
 
         return self._with_backpressure(op)
 
     def put(self, key: bytes, data: Buffer, *, ttl_s: float | None = None) -> None:
-        out = self.put_value(key, data)
+        self._raise_if_rejected(self.put_value(key, data, ttl_s=ttl_s))
+
+    def put_block(self, key: bytes, parts: Sequence[Buffer], meta: BlockMeta, *, ttl_s: float | None = None) -> None:
+        out = self.put_value(key, list(parts), parent=meta.parent, lifetime=meta.lifetime or Lifetime.PREFIX,
+                             ttl_s=meta.ttl_s if meta.ttl_s is not None else ttl_s)
+        self._raise_if_rejected(out)
+
+    def _raise_if_rejected(self, out: Stored | Rejected) -> None:
         if isinstance(out, Rejected):
-            raise TierFullError(f"{self.name}: server refused the write ({out.reason.value}: {out.detail})")
+            raise TierFullError(f"{self.name}: server refused the write ({out.reason.value}: {out.detail})",
+                                reason=out.reason.value, retry_after_s=out.retry_after_s)
 
     def get_into(self, key: bytes, dst: Buffer, *, on_verified: Callable[[int, int], None] | None = None) -> int:
         """Read the value into ``dst``; its length. ``on_verified(offset, nbytes)``, if given, is
@@ -168,12 +207,22 @@ class RemoteTier(Tier):
         after it arrived, still in cache), so a consumer can use the value while the rest arrives.
         After a reconnect and retry the ranges are reported again from offset 0; after a failed
         checksum, not at all (the call raises :class:`ChecksumError`)."""
+        return self.get_leased(key, dst, 0.0, on_verified=on_verified)[0]
 
-        def op(c: ServerConn) -> int | Rejected | None:
-            hdr, ans = c.request(MsgType.GET, {"key": key})
-            rej = _rejected(ans)
-            if rej is not None or not ans.get("found"):
+    def get_leased(self, key: bytes, dst: Buffer, lease_s: float,
+                   on_verified: Callable[[int, int], None] | None = None) -> tuple[int, int | None]:
+        """:meth:`get_into`, leaving a lease of ``lease_s`` on the block (its id; None when 0)."""
+
+        def op(c: ServerConn) -> tuple[int, int | None] | Rejected | None:
+            hdr, ans = c.request(Get(key, lease_s))
+            rej = Rejected.from_meta(ans)
+            if rej is not None:
                 return rej
+            got = decode(GetAnswer, ans)
+            if not got.found:
+                return None
+            if got.length != hdr.payload_len:
+                raise ProtocolError(f"GET answer says {got.length} bytes, carries {hdr.payload_len}")
             try:
                 out = writable_view(dst, hdr.payload_len)
             except BufferMismatchError:
@@ -184,7 +233,7 @@ class RemoteTier(Tier):
             report = None if on_verified is None else _chunk_ranges_as_bytes(on_verified, cs, hdr.payload_len)
             if c.io.read_payload_into(hdr, views, report):
                 raise ChecksumError(f"{self.name}: value {key.hex()} failed its checksum in transit")
-            return hdr.payload_len
+            return hdr.payload_len, got.lease
 
         out = self._with_backpressure(op)
         if out is None:
@@ -193,26 +242,24 @@ class RemoteTier(Tier):
             raise TierUnavailableError(f"{self.name}: server busy ({out.detail})")
         return out
 
-    def _contains(self, keys: list[bytes]) -> tuple[list[bool], list[int | None]]:
-        _, ans = self._call(lambda c: c.request(MsgType.CONTAINS, {"keys": keys}))
-        return list(ans["present"]), list(ans["lengths"])
+    def _contains(self, keys: list[bytes]) -> ContainsAnswer:
+        return self._call(lambda c: c.call(Contains(tuple(keys)), ContainsAnswer))
 
     def size_of(self, key: bytes) -> int | None:
-        return self._contains([key])[1][0]
+        return self._contains([key]).lengths[0]
 
     def contains_many(self, keys: Iterable[bytes]) -> list[bool]:
-        return self._contains(list(keys))[0]
+        return list(self._contains(list(keys)).present)
 
     def delete(self, key: bytes) -> bool:
         return self.delete_many([key]) == 1
 
     def delete_many(self, keys: Iterable[bytes]) -> int:
-        _, ans = self._call(lambda c: c.request(MsgType.DELETE, {"keys": list(keys)}))
-        return int(ans["deleted"])
+        ks = tuple(keys)
+        return self._call(lambda c: c.call(Delete(ks), CountAnswer)).count
 
     def keys(self) -> Iterator[bytes]:
-        _, ans = self._call(lambda c: c.request(MsgType.STATS, {"brief": True, "list_keys": True}))
-        return iter(list(ans.get("keys", [])))
+        return iter(self._call(lambda c: c.call(Stats(brief=True, list_keys=True), StatsAnswer)).keys)
 
     def close(self) -> None:
         self._pool.close()
@@ -220,30 +267,33 @@ class RemoteTier(Tier):
     # ------------------------------------------------------------ server extras
     def lookup(self, keys: list[bytes], lease_s: float = 0.0) -> LookupResult:
         """Longest prefix of ``keys`` present; with ``lease_s`` those blocks stay until released."""
-        _, ans = self._call(lambda c: c.request(MsgType.LOOKUP, {"keys": keys, "lease_s": lease_s}),
-                            idempotent=lease_s == 0)
-        lease = ans.get("lease")
-        return LookupResult(int(ans["hits"]), int(lease) if lease is not None else None)
+        ans = self._call(lambda c: c.call(Lookup(tuple(keys), lease_s), LookupAnswer), idempotent=lease_s == 0)
+        return LookupResult(ans.hits, ans.lease)
 
-    def pin(self, keys: list[bytes]) -> int:
-        _, ans = self._call(lambda c: c.request(MsgType.PIN, {"keys": keys}), idempotent=False)
-        return int(ans["count"])
+    def pin(self, keys: list[bytes], reason: str = "", ttl_s: float = 0.0) -> int:
+        """Pin the present blocks of ``keys`` for this client (``ttl_s`` 0: the server's default)."""
+        return self._call(lambda c: c.call(Pin(tuple(keys), reason, ttl_s), CountAnswer), idempotent=False).count
 
     def unpin(self, keys: list[bytes]) -> int:
-        _, ans = self._call(lambda c: c.request(MsgType.UNPIN, {"keys": keys}), idempotent=False)
-        return int(ans["count"])
+        return self._call(lambda c: c.call(Unpin(tuple(keys)), CountAnswer), idempotent=False).count
 
-    def lease(self, keys: list[bytes], ttl_s: float) -> tuple[int, int]:
-        """(lease id, blocks held): present blocks stay until release, expiry or connection close."""
-        _, ans = self._call(lambda c: c.request(MsgType.LEASE, {"keys": keys, "ttl_s": ttl_s}), idempotent=False)
-        return int(ans["lease"]), int(ans["held"])
+    def lease(self, keys: list[bytes], ttl_s: float) -> tuple[int | None, int]:
+        """(lease id, blocks held): every block stays until release or expiry (a block the tenant
+        does not hold is an error and nothing is leased)."""
+        ans = self._call(lambda c: c.call(Lease(tuple(keys), ttl_s), LeaseAnswer), idempotent=False)
+        return ans.lease, ans.held
 
     def release(self, lease_id: int) -> None:
-        self._call(lambda c: c.request(MsgType.RELEASE, {"lease": lease_id}))
+        self._call(lambda c: c.call(Release(lease_id), Done))
 
-    def stats(self) -> dict[str, Any]:
-        _, ans = self._call(lambda c: c.request(MsgType.STATS, {}))
-        return ans
+    def stats(self) -> StatsAnswer:
+        return self._call(lambda c: c.call(Stats(), StatsAnswer))
+
+    def owners(self, keys: Sequence[bytes] = (), prefix: str = "") -> OwnersAnswer:
+        return self._call(lambda c: c.call(Owners(tuple(keys), prefix), OwnersAnswer))
+
+    def leaks(self) -> LeaksAnswer:
+        return self._call(lambda c: c.call(Leaks(), LeaksAnswer))
 
     def ping(self) -> None:
-        self._call(lambda c: c.request(MsgType.PING, {}))
+        self._call(lambda c: c.call(Ping(), Done))

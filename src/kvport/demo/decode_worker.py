@@ -31,12 +31,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvport.client.conn import ClientConfig
+from kvport.client.remote import RemoteTier
 from kvport.demo import messages
 from kvport.demo.quiet import quiet_transformers
 from kvport.engines.hf import BlockLayout, HFEngine, Lifetime, StoreBlocks, dynamic_cache
 from kvport.errors import BufferMismatchError, KVPortError, ProtocolError
-from kvport.server.client import RemoteTier
-from kvport.server.pool import ClientConfig
 from kvport.spec import DType, from_hf_config
 from kvport.store import TieredStore
 from kvport.transfer import Backpressure, BlockTableDestination, Receiver, TransferMeta

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 
 from kvport import metrics
+from kvport.client.conn import ClientConfig
+from kvport.client.remote import RemoteTier
 from kvport.demo import messages
 from kvport.demo.calibrate import quick_profile
 from kvport.demo.quiet import quiet_transformers
@@ -38,8 +40,6 @@ from kvport.errors import KVPortError, PeerError, TransferError
 from kvport.keys import chain_keys
 from kvport.planner import Action, Cached, Load, Planner, Request
 from kvport.planner.profile import LinkKind, machine_id
-from kvport.server.client import RemoteTier
-from kvport.server.pool import ClientConfig
 from kvport.spec import DType, from_hf_config
 from kvport.store import TieredStore
 from kvport.tiers import HostTier

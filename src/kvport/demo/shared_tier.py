@@ -13,10 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvport.client.conn import ClientConfig
+from kvport.client.remote import RemoteTier
 from kvport.config import subprocess_env
 from kvport.errors import ServerError, TierUnavailableError
-from kvport.server.client import RemoteTier
-from kvport.server.pool import ClientConfig
 
 
 class SharedTier:

@@ -23,6 +23,7 @@ Invariants (every public method keeps them, under one lock):
 from __future__ import annotations
 
 import itertools
+import math
 import secrets
 import threading
 import time
@@ -166,6 +167,7 @@ class Ledger:
         self._history: deque[MoveRecord] = deque(maxlen=history_limit)
         self._seq = itertools.count(1)
         self._lease_ids = itertools.count(1)
+        self._held: dict[Owner, int] = {}  # lease-block pairs + pins per holder (caps are charged from it)
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ who is known
@@ -229,6 +231,8 @@ class Ledger:
             del self._blocks[key]
             for lease in list(b.leases.values()):  # a lease on a block that left holds nothing
                 self._drop_lease_key(lease, key)
+            for h in b.pins:
+                self._charge(h, -1)
         else:
             b.state = after
             b.since = self.clock()
@@ -364,7 +368,7 @@ class Ledger:
     def lease_many(self, keys: Iterable[bytes], holder: Owner, ttl_s: float) -> Lease:
         """One lease on every block of ``keys`` (all known and readable, else nothing is leased)."""
         ks = tuple(keys)
-        if not ttl_s > 0 or ttl_s != ttl_s:
+        if not (ttl_s > 0 and math.isfinite(ttl_s)):
             raise LeaseError(f"lease ttl must be positive, got {ttl_s}")
         with self._lock:
             for k in ks:
@@ -376,6 +380,7 @@ class Ledger:
             for k in ks:
                 self._blocks[k].leases[lease.lease_id] = lease
             self._leases[lease.lease_id] = lease
+            self._charge(holder, len(ks))
             _LEASES.inc()
             return lease
 
@@ -394,8 +399,20 @@ class Ledger:
             self._drop_lease(lease)
             return lease
 
+    def _charge(self, holder: Owner, n: int) -> None:
+        left = self._held.get(holder, 0) + n
+        if left > 0:
+            self._held[holder] = left
+        else:
+            self._held.pop(holder, None)
+
+    def held_by(self, holder: Owner) -> int:
+        """Lease-block pairs and pins ``holder`` has now (what a per-holder cap is charged against)."""
+        return self._held.get(holder, 0)
+
     def _drop_lease(self, lease: Lease) -> None:
-        self._leases.pop(lease.lease_id, None)
+        if self._leases.pop(lease.lease_id, None) is not None:
+            self._charge(lease.holder, -len(lease.keys))
         for k in lease.keys:
             b = self._blocks.get(k)
             if b is not None:
@@ -404,6 +421,7 @@ class Ledger:
     def _drop_lease_key(self, lease: Lease, key: bytes) -> None:
         """A leased block left this ledger: the lease no longer holds it (dropped when it holds none)."""
         rest = tuple(k for k in lease.keys if k != key)
+        self._charge(lease.holder, len(rest) - len(lease.keys))
         if not rest:
             self._leases.pop(lease.lease_id, None)
             return
@@ -416,7 +434,7 @@ class Ledger:
 
     def pin(self, key: bytes, holder: Owner, reason: str = "", ttl_s: float | None = None) -> Pin:
         """Pin ``key`` for ``holder`` (counted; a pin by the same holder renews reason, since and expiry)."""
-        if ttl_s is not None and (not ttl_s > 0 or ttl_s != ttl_s):
+        if ttl_s is not None and not (ttl_s > 0 and math.isfinite(ttl_s)):
             raise LeaseError(f"pin ttl must be positive, got {ttl_s}")
         with self._lock:
             b = self._get(key)
@@ -424,6 +442,8 @@ class Ledger:
             p = b.pins.get(holder)
             expires = None if ttl_s is None else now + ttl_s
             if p is None or (p.expires_at is not None and p.expires_at <= now):
+                if p is None:
+                    self._charge(holder, 1)
                 p = _PinState(1, reason, now, expires)
                 b.pins[holder] = p
             else:
@@ -442,6 +462,7 @@ class Ledger:
                 raise LeaseError(f"{holder} holds no pin on block {key.hex()}")
             if p.count == 1:
                 del b.pins[holder]
+                self._charge(holder, -1)
             else:
                 p.count -= 1
 
@@ -457,6 +478,7 @@ class Ledger:
                 gone = [h for h, p in b.pins.items() if p.expires_at is not None and p.expires_at <= t]
                 for h in gone:
                     del b.pins[h]
+                    self._charge(h, -1)
                 pins += len(gone)
         if dead:
             _EXPIRED.labels("lease").inc(len(dead))
@@ -484,7 +506,8 @@ class Ledger:
     def knows(self, key: bytes) -> bool:
         return key in self._blocks
 
-    def keys(self) -> list[bytes]:
+    def blocks(self) -> list[bytes]:
+        """Every block this ledger has a record of (a snapshot)."""
         with self._lock:
             return list(self._blocks)
 

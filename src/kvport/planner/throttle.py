@@ -24,8 +24,8 @@ import time
 import numpy as np
 
 from kvport.errors import PeerError, PlanInputError
+from kvport.transfer.ratelimit import RateLimited, TokenBucket
 from kvport.transfer.tcp import TcpListener, TcpTransport, connect
-from kvport.transfer.transport import RateLimited, TokenBucket
 
 _HDR = struct.Struct("<BQQd")
 OP_PUT, OP_GET, OP_PING, OP_BYE = 1, 2, 3, 4

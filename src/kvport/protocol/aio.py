@@ -1,4 +1,4 @@
-"""Asyncio byte streams and frame I/O for the server; every check is :mod:`kvport.transfer.wire`'s.
+"""Asyncio byte streams and frame I/O for the server; every check is :mod:`kvport.protocol.frame`'s.
 
 Two streams with one interface (``recv_into(views)``, ``send(parts)``, ``close()``):
 
@@ -17,7 +17,7 @@ loop awaits the worker; a cancellation (frame deadline, shutdown) tells the work
 next poll (within :data:`_POLL_S`) and is raised only once the worker has let go of the socket and
 the buffers.
 
-:class:`AsyncFrames` reads a frame in the order of :class:`kvport.transfer.framing.FrameIO`::
+:class:`AsyncFrames` reads a frame in the order of :class:`kvport.protocol.sync.FrameIO`::
 
     40 header bytes -> decode_header (caps) -> meta_len bytes -> decode_meta -> payload into views
 
@@ -37,8 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 from kvport.errors import ChecksumError, PeerError, ProtocolError
-from kvport.transfer.transport import Buffer, advance, as_byte_views
-from kvport.transfer.wire import (
+from kvport.protocol.errors import error_meta
+from kvport.protocol.frame import (
     CHECKSUM_BYTES,
     HEADER_BYTES,
     Flags,
@@ -50,9 +50,9 @@ from kvport.transfer.wire import (
     encode_frame,
     encode_header,
     encode_meta,
-    error_meta,
     verify_chunk,
 )
+from kvport.protocol.transport import Buffer, advance, as_byte_views
 
 _IOV_MAX = 512
 VERIFY_GROUP_BYTES = 512 << 10  # payload received per verify step: still in L2 when hashed

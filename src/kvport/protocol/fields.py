@@ -1,4 +1,4 @@
-"""The shared-tier protocol: which frames, which metadata, on top of :mod:`kvport.transfer.wire`.
+"""The shared-tier protocol: which frames, which metadata, on top of :mod:`kvport.protocol.frame`.
 
 Every request is one frame; its answer is one frame of the same ``msg_type`` with
 ``Flags.RESPONSE`` and the request's ``corr_id`` (``Flags.ERROR`` for an error, meta

@@ -36,7 +36,7 @@ import xxhash
 from kvport.errors import ChecksumError, ProtocolError
 
 MAGIC = b"KVPT"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<4sBBHIIQQII")
 HEADER_BYTES = HEADER.size  # 40
 CHECKSUM = struct.Struct("<Q")
@@ -74,6 +74,8 @@ class MsgType(enum.IntEnum):
     DELETE = 71
     STATS = 72
     CONTAINS = 73
+    OWNERS = 74
+    LEAKS = 75
 
 
 class Flags(enum.IntFlag):
@@ -295,16 +297,6 @@ def decode_frame(buf: Buffer, limits: Limits = DEFAULT_LIMITS) -> Frame:
         raise ProtocolError(f"{mv.nbytes - total} trailing bytes after the frame")
     payload = b"".join(bytes(c) for c in iter_chunks(hdr, mv[end_meta:total]))
     return Frame(hdr, meta, payload)
-
-
-def error_meta(exc: BaseException) -> dict[str, Any]:
-    """Metadata of an ERROR / REFUSE frame for a kvport exception (class name, message, field)."""
-    out: dict[str, Any] = {"error": type(exc).__name__, "message": str(exc)}
-    for attr in ("field", "expected", "got"):
-        if hasattr(exc, attr):
-            v = getattr(exc, attr)
-            out[attr] = v if isinstance(v, str | int | float | bool | bytes) or v is None else repr(v)
-    return out
 
 
 def split_chunks(payload: Buffer, chunk_size: int) -> list[memoryview]:

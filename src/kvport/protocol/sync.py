@@ -1,4 +1,4 @@
-"""Frame I/O adapters: they only fill buffers; every check is done by :mod:`kvport.transfer.wire`.
+"""Frame I/O adapters: they only fill buffers; every check is done by :mod:`kvport.protocol.frame`.
 
 Sync (:class:`FrameIO` over a :class:`Transport`) and asyncio (:func:`read_frame_async`,
 :func:`write_frame_async` over ``StreamReader``/``StreamWriter``) share the same order of work::
@@ -25,7 +25,7 @@ bench machine the workers measured neutral to slightly slower than inline hashin
 default only with more than two CPUs (``FrameIO(overlap=...)`` overrides).
 
 A transport that maps the sender's memory (shared memory, see
-:class:`~kvport.transfer.transport.DescribedPayloads`) is handed whole payloads instead: the sender
+:class:`~kvport.protocol.transport.DescribedPayloads`) is handed whole payloads instead: the sender
 describes them, the receiver copies and verifies them in one native call. A producer that already
 has the chunks' checksums passes them (``send(..., digests=...)``) and nothing is hashed at send.
 """
@@ -44,8 +44,7 @@ import xxhash
 
 from kvport import memops
 from kvport.errors import PeerError, ProtocolError
-from kvport.transfer.transport import Buffer, DescribedPayloads, Transport
-from kvport.transfer.wire import (
+from kvport.protocol.frame import (
     CHECKSUM,
     CHECKSUM_BYTES,
     DEFAULT_LIMITS,
@@ -62,6 +61,7 @@ from kvport.transfer.wire import (
     encode_meta,
     iter_chunks,
 )
+from kvport.protocol.transport import Buffer, DescribedPayloads, Transport
 
 BATCH_BYTES = 512 << 10  # payload moved per syscall: hashed/verified while it is still in cache
 _HASH_WORKERS = 2

@@ -12,7 +12,7 @@ Server (``kvport serve``)::
     auth       HMAC challenge-response
     limits     ServerLimits, Rejected(reason, retry_after)
     staging    reused buffers for values in flight to or from disk
-    aio        asyncio byte streams (plain, TLS) and frame I/O over kvport.transfer.wire
+    aio        asyncio byte streams (plain, TLS) and frame I/O over kvport.protocol.frame
     protocol   message fields and their checks
     stats      the STATS answer (``kvport inspect``)
     http       /metrics and /healthz

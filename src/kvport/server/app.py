@@ -6,11 +6,16 @@ Memory: ``capacity_bytes`` is the whole process's budget, not just the host pool
              + staging pool (limits.total_inflight_bytes: values bound for or read from disk)
              + scratch (1 MiB) + host pool (the rest, preallocated and pre-faulted once)
 
+Storage is one :class:`~kvport.store.TieredStore` plus its ledger (:mod:`kvport.server.storage`):
+the server keeps no pins, leases, quotas or placement of its own.
+
 Shutdown on SIGTERM/SIGINT: stop accepting; ``/healthz`` turns 503; idle connections are closed;
 a connection in the middle of a request finishes it (PUTs are refused from now on with
-SHUTTING_DOWN) within ``drain_timeout_s``; then host values are spilled to disk while it has room,
-the manifest is fsynced and the tiers closed. A restart with the same ``--disk`` finds those
-blocks again (same server secret, so the same tenant-salted keys).
+SHUTTING_DOWN) within ``drain_timeout_s``; then every host block the disk can take is demoted to
+it (a block that does not fit stays behind; the rest go on), the journal is fsynced and the tiers
+closed. A restart with the same ``--disk`` finds those blocks again, with their parents, lifetimes
+and tenants (same server secret, so the same tenant-salted keys). One server per ``--disk``: the
+folder is locked while a server runs.
 """
 
 from __future__ import annotations
@@ -28,26 +33,19 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
-
-from kvport.errors import ConfigError, PeerError
-from kvport.server.aio import AsyncStream, BulkIO, SockStream, TlsStream
-from kvport.server.auth import is_loopback
-from kvport.server.blocks import BlockStore
+from kvport.errors import ConfigError, PeerError, TierError
+from kvport.protocol.aio import AsyncStream, BulkIO, SockStream, TlsStream
+from kvport.protocol.net import is_loopback, tune
 from kvport.server.conn import Connection, ConnState
 from kvport.server.handlers import Handlers
 from kvport.server.http import HttpEndpoint
 from kvport.server.limits import ServerLimits
-from kvport.server.manifest import Manifest
 from kvport.server.metrics import ServerMetrics
+from kvport.server.storage import DISK, HOST, host_pool_bytes, open_storage
 from kvport.server.tenants import TenantTable, load_or_create_secret, load_tenants
-from kvport.tiers.base import Tier
-from kvport.tiers.host import HostTier
-from kvport.transfer.tcp import tune
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
-_MIN_HOST_PAGES = 4
 DEFAULT_IO_THREADS = 4  # bench server on 2 cores: 1 -> 2.3, 2 -> 2.5-2.6, 4 -> 2.5-2.7 GB/s
 
 
@@ -78,23 +76,6 @@ class ServerConfig:
             raise ConfigError("max value must fit the in-flight budget")
         if not 0 <= self.io_threads <= 64:
             raise ConfigError(f"io threads must be 0..64, got {self.io_threads}")
-
-
-def _disk_tier(folder: Path, capacity: int) -> Tier:
-    from kvport.tiers.disk import DiskTier
-
-    return DiskTier(folder / "blocks", capacity)
-
-
-def _host_tier(cfg: ServerConfig) -> HostTier:
-    """The host pool: whatever the capacity leaves after the measured baseline and the staging pool."""
-    HostTier(cfg.page_bytes, cfg.page_bytes, pin=False).close()  # load the pool's libraries first
-    baseline = psutil.Process().memory_info().rss
-    host_bytes = cfg.capacity_bytes - baseline - cfg.limits.total_inflight_bytes - MiB
-    if host_bytes < _MIN_HOST_PAGES * cfg.page_bytes:
-        raise ConfigError(f"capacity {cfg.capacity_bytes} leaves no room for a host pool (baseline {baseline} "
-                          f"bytes, in-flight {cfg.limits.total_inflight_bytes})")
-    return HostTier(host_bytes, cfg.page_bytes, pin=False, name="server-host")
 
 
 def _tls_context(cfg: ServerConfig) -> ssl.SSLContext | None:
@@ -131,13 +112,11 @@ class KVServer:
         if not is_loopback(cfg.host) and not tenants.all_have_tokens():
             raise ConfigError(f"listening on {cfg.host!r} (beyond loopback) requires a token for every tenant")
         tls = _tls_context(cfg)
-        disk = manifest = None
-        if cfg.disk_dir is not None:
-            disk = _disk_tier(cfg.disk_dir, cfg.disk_capacity_bytes or 4 * cfg.capacity_bytes)
-            manifest = Manifest(cfg.disk_dir)
-        store = BlockStore(_host_tier(cfg), disk, manifest, cfg.limits.retry_after_s)
-        store.recover()
-        self.h = Handlers(store, tenants, cfg.limits, ServerMetrics())
+        host_bytes = host_pool_bytes(cfg.capacity_bytes, cfg.limits.total_inflight_bytes, cfg.page_bytes)
+        store = open_storage(host_bytes, cfg.page_bytes, cfg.disk_dir,
+                             cfg.disk_capacity_bytes or 4 * cfg.capacity_bytes, tenants.quotas(),
+                             cfg.limits.max_value_bytes)
+        self.h = Handlers(store, tenants, cfg.limits, ServerMetrics(), cfg.page_bytes)
         self._io = BulkIO(cfg.io_threads)
         try:
             self._lsock = socket.create_server((cfg.host, cfg.port), backlog=256)
@@ -227,9 +206,14 @@ class KVServer:
         if self._http is not None:
             await self._http.close()
         store = self.h.store
-        if self.cfg.spill_on_shutdown:
-            spilled = store.spill([sk for sk, _ in store.catalog.items()][::-1])  # newest first
-            log.info("spilled %d host blocks to disk", spilled)
+        if self.cfg.spill_on_shutdown and DISK in store.tiers:
+            moved, stayed = store.spill(HOST)
+            log.info("spilled %d host blocks to disk (%d stayed: no room)", moved, stayed)
+        for tier in store.tiers.values():
+            try:
+                tier.close()
+            except TierError as exc:
+                log.warning("closing %s: %s", tier.name, exc)
         store.close()
 
 
@@ -242,9 +226,10 @@ async def serve(cfg: ServerConfig, announce: bool = True) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if announce:
+        tiers = server.h.store.tiers
         print(json.dumps({"event": "listening", "host": cfg.host, "port": server.port, "http_port": server.http_port,
-                          "page_bytes": cfg.page_bytes, "host_capacity": server.h.store.catalog.host_capacity,
-                          "disk_capacity": server.h.store.catalog.disk_capacity}), flush=True)
+                          "page_bytes": cfg.page_bytes, "host_capacity": tiers[HOST].capacity_bytes,
+                          "disk_capacity": tiers[DISK].capacity_bytes if DISK in tiers else 0}), flush=True)
     await stop.wait()
     with contextlib.suppress(PeerError):
         await server.shutdown()

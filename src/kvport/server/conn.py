@@ -13,6 +13,10 @@ the first byte of the next frame within ``idle_timeout_s``; from that byte, the 
 frame *and its answer* within ``frame_timeout_s`` (a slow-loris client that trickles a frame, or
 a reader that stops reading an answer, is closed). Before AUTH_OK the caps are tiny (1 KiB of
 metadata, no payload), so an unauthenticated peer cannot make the server allocate anything.
+
+The handshake is the one of :mod:`kvport.protocol.handshake`: the client names its tenant (the
+principal whose token signs) and its instance; ``tenant/instance`` is the holder of the leases and
+pins it takes (they belong to the client, not to this connection, and lapse at their TTL).
 """
 
 from __future__ import annotations
@@ -23,17 +27,16 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvport.errors import AuthError, ChecksumError, IllegalMoveError, KVPortError, PeerError, ProtocolError
-from kvport.server import auth
-from kvport.server.aio import AsyncFrames, AsyncStream
-from kvport.server.protocol import bytes_field, str_field
+from kvport.ledger import Owner
+from kvport.protocol.aio import AsyncFrames, AsyncStream
+from kvport.protocol.frame import FrameHeader, MsgType
+from kvport.protocol.handshake import HANDSHAKE_LIMITS, server_handshake_async
 from kvport.server.tenants import Tenant
-from kvport.transfer.wire import Flags, FrameHeader, Limits, MsgType
 
 if TYPE_CHECKING:
     from kvport.server.handlers import Handlers
 
 log = logging.getLogger(__name__)
-_PRE_AUTH = Limits(max_meta_bytes=1024, max_payload_bytes=1, max_chunk_bytes=1, max_chunks=1)
 
 
 class ConnState(enum.Enum):
@@ -58,9 +61,10 @@ class Connection:
         self.id = conn_id
         self.stream = stream
         self.h = handlers
-        self.frames = AsyncFrames(stream, _PRE_AUTH)
+        self.frames = AsyncFrames(stream, HANDSHAKE_LIMITS)
         self.state = ConnState.HANDSHAKE
         self.tenant: Tenant | None = None
+        self.holder: Owner | None = None  # client:tenant/instance, once authenticated
         self.pending: FrameHeader | None = None  # a request whose payload is still unread
 
     def move(self, to: ConnState) -> None:
@@ -91,7 +95,10 @@ class Connection:
                 self.move(ConnState.READY)
         except TimeoutError:
             self.h.metrics.timeouts.labels("handshake").inc()
-        except (AuthError, ProtocolError, ChecksumError) as exc:
+        except AuthError as exc:
+            self.h.metrics.auth_failures.inc()
+            log.info("closing %s: %s", self.stream.peer, exc)
+        except (ProtocolError, ChecksumError) as exc:
             log.info("closing %s: %s", self.stream.peer, exc)
             await self._try_error(MsgType.ERROR, exc, 0)
         except PeerError as exc:
@@ -119,25 +126,16 @@ class Connection:
 
     # ------------------------------------------------------------ handshake
     async def _handshake(self) -> None:
-        nonce = auth.new_nonce()
-        await self.frames.send(MsgType.AUTH_CHALLENGE, {
-            "nonce": nonce, "auth": "hmac-sha256", "page_bytes": self.h.store.page_bytes,
-            "max_value_bytes": self.h.limits.max_value_bytes})
-        await self.frames.wait_frame()
-        hdr = await self.frames.read_header()
-        meta = await self.frames.read_meta(hdr)
-        if hdr.msg_type is not MsgType.AUTH_RESPONSE or hdr.payload_len:
-            raise ProtocolError(f"expected AUTH_RESPONSE, got {hdr.msg_type.name}")
-        name = str_field(meta, "tenant")
-        tenant = auth.verify(self.h.tenants, name, nonce, bytes_field(meta, "mac", auth.MAC_BYTES))
-        if tenant is None:
-            self.h.metrics.auth_failures.inc()
+        h = self.h
+        peer = await server_handshake_async(self.frames, h.server_name, h.tenants.key_lookup, {
+            "page_bytes": h.page_bytes, "max_value_bytes": h.limits.max_value_bytes})
+        tenant = h.tenants.get(peer.who)
+        if tenant is None:  # pragma: no cover - the handshake already refused unknown tenants
             raise AuthError("authentication failed")
         self.tenant = tenant
+        self.holder = Owner.client(f"{tenant.name}/{peer.client}")
         self.move(ConnState.READY)
-        self.h.connection_ready(self)
-        await self.frames.send(MsgType.AUTH_OK, {"tenant": tenant.name}, flags=Flags.RESPONSE,
-                               corr_id=hdr.corr_id)
+        h.connection_ready(self)
 
     # ------------------------------------------------------------ requests
     async def _one_request(self) -> None:

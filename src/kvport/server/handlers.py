@@ -1,9 +1,21 @@
-"""Request handlers: one method per message type, over the block store and the tenant table.
+"""Request handlers: one method per typed request, over the server's store and its ledger.
 
-Handlers run on the event loop; the catalog is only touched between awaits, so every plan, hold,
-commit and lease is atomic with respect to other connections. A handler either consumes its
-request's payload (``conn.payload_taken()``) or leaves it to :class:`Connection` to skip before an
-error answer: the stream never desynchronises on a refused request.
+Handlers run on the event loop; the store and the ledger are only touched between awaits, so every
+reservation, commit, lease and pin is atomic with respect to other connections. A handler either
+consumes its request's payload (``conn.payload_taken()``) or leaves it to :class:`Connection` to
+skip before an error answer: the stream never desynchronises on a refused request.
+
+A PUT, with room in the host pool (the store's first zero-copy tier)::
+
+    store.reserve(skey, n, parent, lifetime, ttl, account=tenant)   room made (quota, eviction)
+    chunk i --recv_into--> page i of the reservation                invisible
+    every chunk verified --> store.commit(res, attrs)               visible; the ledger records the
+                                                                    hand-off to the pool (client, lifetime)
+    client gone / bad chunk --> store.abort(res)                    never visible
+
+Without room there (pinned or leased blocks, or a value larger than the pool), the value is staged
+in a bounded buffer and ``store.put`` places it below (disk). A GET holds a lease while it sends
+(from the pool's own pages when the block is in host: zero copy), and may leave one to the client.
 """
 
 from __future__ import annotations
@@ -18,47 +30,76 @@ from kvport.errors import (
     BlockNotFoundError,
     ChecksumError,
     CorruptBlockError,
-    IllegalMoveError,
     LeaseError,
     ProtocolError,
-    TierError,
+    QuotaExceededError,
     TierFullError,
+    UnknownBlockError,
 )
-from kvport.server.blocks import BlockStore
-from kvport.server.catalog import Entry, Place
+from kvport.ledger import Lease, Owner
+from kvport.lifetime import Lifetime
+from kvport.protocol.frame import Flags, FrameHeader, Limits
+from kvport.protocol.rejects import Rejected, RejectReason
+from kvport.protocol.schema import Message
+from kvport.protocol.server import Contains as ContainsReq
+from kvport.protocol.server import (
+    ContainsAnswer,
+    CountAnswer,
+    Done,
+    Get,
+    GetAnswer,
+    LeaseAnswer,
+    LookupAnswer,
+    PinSpec,
+    Put,
+    PutAnswer,
+    Request,
+    decode_request,
+)
+from kvport.protocol.server import Delete as DeleteReq
+from kvport.protocol.server import Leaks as LeaksReq
+from kvport.protocol.server import Lease as LeaseReq
+from kvport.protocol.server import Lookup as LookupReq
+from kvport.protocol.server import Owners as OwnersReq
+from kvport.protocol.server import Pin as PinReq
+from kvport.protocol.server import Ping as PingReq
+from kvport.protocol.server import Release as ReleaseReq
+from kvport.protocol.server import Stats as StatsReq
+from kvport.protocol.server import Unpin as UnpinReq
+from kvport.server import reports
 from kvport.server.conn import Connection
-from kvport.server.limits import Rejected, RejectReason, ServerLimits
+from kvport.server.limits import ServerLimits
 from kvport.server.metrics import ServerMetrics
-from kvport.server.protocol import float_field, int_field, key_field, keys_field
 from kvport.server.staging import StagingPool
-from kvport.server.stats import build_stats
+from kvport.server.storage import HOST, Attrs
 from kvport.server.tenants import Tenant, TenantTable
-from kvport.transfer.wire import Flags, FrameHeader, Limits, MsgType
+from kvport.store import TieredStore
 
-_MAX_LIST = 1 << 16  # keys listed by STATS {list_keys}: 1 MiB of metadata at most
-Handler = Callable[[Connection, FrameHeader, dict[str, Any], Tenant], Awaitable[None]]
+Handler = Callable[[Connection, FrameHeader, Any, Tenant, Owner], Awaitable[None]]
 
 
 class Handlers:
-    def __init__(self, store: BlockStore, tenants: TenantTable, limits: ServerLimits, metrics: ServerMetrics) -> None:
+    def __init__(self, store: TieredStore, tenants: TenantTable, limits: ServerLimits, metrics: ServerMetrics,
+                 page_bytes: int, server_name: str = "kvport-serve") -> None:
         self.store = store
+        self.ledger = store.ledger
         self.tenants = tenants
         self.limits = limits
         self.metrics = metrics
+        self.page_bytes = page_bytes
+        self.server_name = server_name
         self.pool = StagingPool(limits.total_inflight_bytes)
         self.scratch = memoryview(bytearray(1 << 20))  # drains refused payloads; never grows
         self.wire_limits = Limits(max_meta_bytes=limits.max_header_bytes, max_payload_bytes=limits.max_value_bytes,
-                                  max_chunk_bytes=store.page_bytes,
-                                  max_chunks=-(-limits.max_value_bytes // store.page_bytes))
+                                  max_chunk_bytes=page_bytes, max_chunks=-(-limits.max_value_bytes // page_bytes))
         self.draining = False
         self.started = time.monotonic()
         self.connections: dict[int, Connection] = {}
-        self.writing: set[bytes] = set()  # storage keys whose value is being received
-        self._table: dict[MsgType, Handler] = {
-            MsgType.PUT: self.put, MsgType.GET: self.get, MsgType.LOOKUP: self.lookup,
-            MsgType.CONTAINS: self.contains, MsgType.PIN: self.pin, MsgType.UNPIN: self.unpin,
-            MsgType.LEASE: self.lease, MsgType.RELEASE: self.release, MsgType.DELETE: self.delete,
-            MsgType.STATS: self.stats, MsgType.PING: self.ping,
+        self.hits: dict[bytes, int] = {}  # storage key -> GETs served (inspect's top prefixes)
+        self._table: dict[type[Message], Handler] = {
+            Put: self.put, Get: self.get, LookupReq: self.lookup, ContainsReq: self.contains, PinReq: self.pin,
+            UnpinReq: self.unpin, LeaseReq: self.lease, ReleaseReq: self.release, DeleteReq: self.delete,
+            StatsReq: self.stats, OwnersReq: self.owners, LeaksReq: self.leaks, PingReq: self.ping,
         }
 
     # ------------------------------------------------------------ connections
@@ -67,237 +108,262 @@ class Handlers:
         self.metrics.connections.set(len(self.connections))
 
     def connection_closed(self, conn: Connection) -> None:
-        self.store.catalog.release_holder(conn.id)
-        self.connections.pop(conn.id, None)
+        self.connections.pop(conn.id, None)  # its client's leases and pins lapse at their TTL
         self.metrics.connections.set(len(self.connections))
 
     def tick(self) -> None:
-        """Periodic: expire leases, refresh gauges."""
-        self.store.catalog.expire(time.monotonic())
+        """Periodic: lifetimes (store), leases and pins past their TTL (ledger), gauges."""
+        self.store.expire()
+        self.ledger.expire()
         self.metrics.observe(self.store, self.pool)
 
     # ------------------------------------------------------------ dispatch
     async def dispatch(self, conn: Connection, hdr: FrameHeader, meta: dict[str, Any]) -> None:
-        handler = self._table.get(hdr.msg_type)
-        if handler is None or hdr.flags & Flags.RESPONSE:
-            raise ProtocolError(f"{hdr.msg_type.name} is not a request this server answers")
-        if hdr.payload_len and hdr.msg_type is not MsgType.PUT:
+        if hdr.flags & Flags.RESPONSE:
+            raise ProtocolError(f"{hdr.msg_type.name} with the RESPONSE flag is not a request")
+        req: Request = decode_request(hdr.msg_type, meta)
+        if hdr.payload_len and not isinstance(req, Put):
             raise ProtocolError(f"{hdr.msg_type.name} carries no payload")
-        if conn.tenant is None:
+        if conn.tenant is None or conn.holder is None:
             raise AuthError("request before authentication")
-        await handler(conn, hdr, meta, conn.tenant)
+        keys = getattr(req, "keys", ())
+        if len(keys) > self.limits.max_keys_per_request:
+            raise ProtocolError(f"{len(keys)} keys in one request; at most {self.limits.max_keys_per_request}")
+        await self._table[type(req)](conn, hdr, req, conn.tenant, conn.holder)
 
-    async def _answer(self, conn: Connection, hdr: FrameHeader, meta: dict[str, Any], result: str = "ok") -> None:
+    async def _answer(self, conn: Connection, hdr: FrameHeader, msg: Message | dict[str, Any],
+                      result: str = "ok") -> None:
+        meta = msg if isinstance(msg, dict) else msg.to_meta()
         await conn.frames.send(hdr.msg_type, meta, flags=Flags.RESPONSE, corr_id=hdr.corr_id)
         self.metrics.requests.labels(hdr.msg_type.name.lower(), result).inc()
 
     async def _reject(self, conn: Connection, hdr: FrameHeader, rej: Rejected) -> None:
         await conn.skip_payload()
         self.metrics.rejections.labels(rej.reason.value).inc()
-        await self._answer(conn, hdr, {"rejected": rej.reason.value, "retry_after": rej.retry_after_s,
-                                       "detail": rej.detail}, "rejected")
+        await self._answer(conn, hdr, rej.to_meta(), "rejected")
+
+    def _skey(self, tenant: Tenant, key: bytes) -> bytes:
+        return self.tenants.storage_key(tenant.name, key)
+
+    def _charge_held(self, holder: Owner, n: int) -> None:
+        """Leases and pins are charged before anything is recorded: a client holds a bounded number."""
+        if self.ledger.held_by(holder) + n > self.limits.max_held_per_client:
+            raise LeaseError(f"{holder} would hold more than {self.limits.max_held_per_client} lease-blocks and pins")
+
+    def _ttl(self, asked: float, default: float, cap: float) -> float:
+        return min(asked, cap) if asked > 0 else default
 
     # ------------------------------------------------------------ put
-    async def put(self, conn: Connection, hdr: FrameHeader, meta: dict[str, Any], tenant: Tenant) -> None:
-        key = key_field(meta)
+    async def put(self, conn: Connection, hdr: FrameHeader, req: Put, tenant: Tenant, holder: Owner) -> None:
         size = hdr.payload_len
-        if size == 0 or hdr.chunk_size != self.store.page_bytes:
-            raise ProtocolError(f"a PUT carries a value in chunks of page_bytes={self.store.page_bytes}")
+        if size == 0 or hdr.chunk_size != self.page_bytes:
+            raise ProtocolError(f"a PUT carries a value in chunks of page_bytes={self.page_bytes}")
         if self.draining:
             return await self._reject(conn, hdr, Rejected(RejectReason.SHUTTING_DOWN, None, "server is draining"))
-        cat = self.store.catalog
-        skey = self.tenants.storage_key(tenant.name, key)
-        if skey in cat:
+        store, skey = self.store, self._skey(tenant, req.key)
+        if skey in store:
             await conn.skip_payload()
-            self._pin_if(meta, skey)
-            return await self._answer(conn, hdr, {"status": "exists"}, "exists")
-        if skey in self.writing:  # the same block is arriving on another connection: ask to retry
+            store.lookup([skey])  # a hit: the block stays longer
+            self._pin_if(req.pin, skey, holder)
+            return await self._answer(conn, hdr, PutAnswer("exists"), "exists")
+        if store.writing(skey):  # the same block is arriving on another connection: ask to retry
             return await self._reject(conn, hdr, Rejected(RejectReason.BUSY, self.limits.retry_after_s,
                                                           "the same key is being written"))
-        plan = cat.plan_put(tenant.name, self.store.charged(size), tenant.quota_bytes)
-        if isinstance(plan, Rejected):
-            return await self._reject(conn, hdr, plan)
+        sparent = None if req.parent is None else self._skey(tenant, req.parent)
+        if sparent is not None and sparent not in store:
+            return await self._reject(conn, hdr, Rejected(RejectReason.NO_PARENT, None,
+                                                          "the parent block is not stored; put it first"))
+        if tenant.quota_bytes is not None and store.tiers[HOST].charge(size) > tenant.quota_bytes:
+            return await self._reject(conn, hdr, Rejected(RejectReason.TOO_LARGE, None, "larger than the quota"))
+        ttl = self._lifetime_ttl(req)
         try:
-            self.store.apply(plan)
-        except TierError as exc:  # the disk tier refused a demotion (ENOSPC, its own accounting)
-            return await self._reject(conn, hdr, Rejected(RejectReason.FULL, self.limits.retry_after_s, str(exc)))
-        self.writing.add(skey)
-        try:
-            if plan.place is Place.HOST:
-                ok = await self._put_host(conn, hdr, tenant, key, skey)
-            else:
-                ok = await self._put_disk(conn, hdr, tenant, key, skey)
-        finally:
-            self.writing.discard(skey)
-        if ok is not None:
-            return await self._reject(conn, hdr, ok)
-        self._pin_if(meta, skey)
+            res = store.reserve(skey, size, lifetime=req.lifetime, parent=sparent, account=tenant.name, ttl_s=ttl,
+                                origin=holder)
+        except QuotaExceededError as exc:
+            return await self._reject(conn, hdr, Rejected(RejectReason.QUOTA, self.limits.retry_after_s, str(exc)))
+        except TierFullError as exc:
+            return await self._reject(conn, hdr, Rejected(RejectReason.BUSY, self.limits.retry_after_s, str(exc)))
+        if res is not None:
+            try:
+                bad = await conn.frames.read_chunks_into(hdr, res.views)
+                conn.payload_taken()
+            except BaseException:
+                store.abort(res)  # a client gone mid-write leaves nothing visible
+                raise
+            if bad is not None:
+                store.abort(res)
+                raise ChecksumError(f"chunk {bad} failed its checksum; nothing stored")
+            store.commit(res, Attrs(req.key, conn.frames.checksums(hdr.n_chunks)).encode())
+        else:
+            rej = await self._put_staged(conn, hdr, req, tenant, holder, skey, sparent, ttl)
+            if rej is not None:
+                return await self._reject(conn, hdr, rej)
+        self._pin_if(req.pin, skey, holder)
         self.metrics.bytes_in.inc(size)
-        await self._answer(conn, hdr, {"status": "stored"}, "stored")
+        await self._answer(conn, hdr, PutAnswer("stored"), "stored")
 
-    def _pin_if(self, meta: dict[str, Any], skey: bytes) -> None:
-        """PUT's ``pin`` means "pinned at least once", so a retried PUT never pins twice."""
-        e = self.store.catalog.get(skey)
-        if meta.get("pin") is True and e is not None and e.pins == 0:
-            self.store.catalog.pin(skey)
+    def _lifetime_ttl(self, req: Put) -> float | None:
+        cap = self.limits.max_lease_ttl_s * 1000
+        if req.lifetime is Lifetime.SESSION:
+            return self._ttl(req.ttl_s, self.limits.session_ttl_s, cap)
+        if req.lifetime is Lifetime.REQUEST:
+            return self._ttl(req.ttl_s, self.limits.request_ttl_s, cap)
+        return req.ttl_s if req.ttl_s > 0 else None
 
-    async def _put_host(self, conn: Connection, hdr: FrameHeader, tenant: Tenant, key: bytes,
-                        skey: bytes) -> Rejected | None:
-        try:
-            res = self.store.reserve_host(skey, hdr.payload_len)
-        except (TierFullError, IllegalMoveError):
-            return Rejected(RejectReason.FULL, self.limits.retry_after_s, "host pages taken by values in flight")
-        try:
-            bad = await conn.frames.read_chunks_into(hdr, res.views)
-            conn.payload_taken()
-        except BaseException:
-            self.store.abort(res)  # a client gone mid-write leaves nothing visible
-            raise
-        if bad is not None:
-            self.store.abort(res)
-            raise ChecksumError(f"chunk {bad} failed its checksum; nothing stored")
-        self.store.commit(res, tenant.name, key, conn.frames.checksums(hdr.n_chunks))
-        return None
-
-    async def _put_disk(self, conn: Connection, hdr: FrameHeader, tenant: Tenant, key: bytes,
-                        skey: bytes) -> Rejected | None:
+    async def _put_staged(self, conn: Connection, hdr: FrameHeader, req: Put, tenant: Tenant, holder: Owner,
+                          skey: bytes, sparent: bytes | None, ttl: float | None) -> Rejected | None:
+        """No room in the pool: receive into a bounded staging buffer, then let the store place it."""
         size = hdr.payload_len
         staging = self.pool.try_take(size)
         if staging is None:
             return Rejected(RejectReason.BUSY, self.limits.retry_after_s, "in-flight budget spent")
-        charged = self.store.charged(size)
-        try:
-            self.store.catalog.hold(Place.DISK, charged)
-        except IllegalMoveError:
-            self.pool.give(staging)
-            return Rejected(RejectReason.FULL, self.limits.retry_after_s, "disk room taken by values in flight")
-        held = True  # until put_disk turns the hold into the entry
         try:
             bad = await conn.frames.read_payload_into(hdr, staging.view())
             conn.payload_taken()
             if bad is not None:
                 raise ChecksumError(f"chunk {bad} failed its checksum; nothing stored")
-            self.store.put_disk(skey, staging.view(), tenant.name, key, conn.frames.checksums(hdr.n_chunks))
-            held = False
+            if self.store.writing(skey) or skey in self.store:
+                return Rejected(RejectReason.BUSY, self.limits.retry_after_s, "the same key was written meanwhile")
+            if sparent is not None and sparent not in self.store:
+                return Rejected(RejectReason.NO_PARENT, None, "the parent block left while the value arrived")
+            try:
+                self.store.put(skey, staging.view(), lifetime=req.lifetime, parent=sparent, account=tenant.name,
+                               ttl_s=ttl, attrs=Attrs(req.key, conn.frames.checksums(hdr.n_chunks)).encode(),
+                               origin=holder)
+            except QuotaExceededError as exc:
+                return Rejected(RejectReason.QUOTA, self.limits.retry_after_s, str(exc))
+            except TierFullError as exc:
+                return Rejected(RejectReason.FULL, self.limits.retry_after_s, str(exc))
+            return None
         finally:
-            if held:
-                self.store.catalog.unhold(Place.DISK, charged)
             self.pool.give(staging)
-        return None
+
+    def _pin_if(self, spec: PinSpec | None, skey: bytes, holder: Owner) -> None:
+        """PUT's ``pin`` means "pinned by this client at least once", so a retried PUT never pins twice."""
+        if spec is None or holder in self.ledger.pins_of(skey):
+            return
+        self._charge_held(holder, 1)
+        self.ledger.pin(skey, holder, spec.reason, self._ttl(spec.ttl_s, self.limits.pin_ttl_s,
+                                                             self.limits.max_pin_ttl_s))
 
     # ------------------------------------------------------------ get
-    async def get(self, conn: Connection, hdr: FrameHeader, meta: dict[str, Any], tenant: Tenant) -> None:
-        skey = self.tenants.storage_key(tenant.name, key_field(meta))
-        cat = self.store.catalog
-        e = cat.get(skey)
-        if e is None:
-            return await self._answer(conn, hdr, {"found": False}, "miss")
-        # outlives the frame deadline, so only the finally below (or the connection closing) ends it
-        lease = cat.lease(tenant.name, conn.id, [skey], 2 * self.limits.frame_timeout_s, time.monotonic())
+    async def get(self, conn: Connection, hdr: FrameHeader, req: Get, tenant: Tenant, holder: Owner) -> None:
+        skey = self._skey(tenant, req.key)
+        if skey not in self.store:
+            return await self._answer(conn, hdr, GetAnswer(False), "miss")
+        # the read's own lease outlives the frame deadline: only the finally below ends it
+        reading = self.ledger.lease(skey, holder, 2 * self.limits.frame_timeout_s + 1)
         try:
-            if e.place is Place.HOST:
-                await self._send_value(conn, hdr, e, self.store.host_views(skey, e))
-            else:
-                await self._get_disk(conn, hdr, skey, e)
+            kept: Lease | None = None
+            if req.lease_s > 0:
+                self._charge_held(holder, 1)
+                kept = self.ledger.lease(skey, holder, min(req.lease_s, self.limits.max_lease_ttl_s))
+            await self._send_value(conn, hdr, skey, None if kept is None else kept.lease_id)
         finally:
-            with contextlib.suppress(LeaseError):  # already gone if the connection closed meanwhile
-                cat.release(lease.lease_id, tenant.name)
-        if skey in cat:
-            cat.hit(skey)
+            with contextlib.suppress(LeaseError, UnknownBlockError):
+                self.ledger.release(reading)
+        self.hits[skey] = self.hits.get(skey, 0) + 1
 
-    async def _get_disk(self, conn: Connection, hdr: FrameHeader, skey: bytes, e: Entry) -> None:
-        staging = self.pool.try_take(e.length)
+    async def _send_value(self, conn: Connection, hdr: FrameHeader, skey: bytes, lease_id: int | None) -> None:
+        meta = self.store.meta_of(skey)
+        attrs = Attrs.decode(meta.attrs if meta is not None else b"")
+        pb = self.page_bytes
+        try:
+            rv = self.store.read_views(skey)
+        except BlockNotFoundError:
+            return await self._answer(conn, hdr, GetAnswer(False), "miss")
+        if rv is not None:
+            return await self._send(conn, hdr, list(rv.views), rv.length, attrs.checksums, lease_id)
+        n = self.store.size_of(skey) or 0
+        staging = self.pool.try_take(n)
         if staging is None:
             return await self._reject(conn, hdr, Rejected(RejectReason.BUSY, self.limits.retry_after_s, "busy"))
         try:
             try:
-                self.store.read_disk_into(skey, e, staging.view())
+                n = self.store.get_into(skey, staging.view())
             except (CorruptBlockError, BlockNotFoundError):
-                return await self._answer(conn, hdr, {"found": False}, "miss")
-            v = staging.view()
-            pb = self.store.page_bytes
-            await self._send_value(conn, hdr, e, [v[i : i + pb] for i in range(0, e.length, pb)])
+                return await self._answer(conn, hdr, GetAnswer(False), "miss")
+            v = staging.view()[:n]
+            await self._send(conn, hdr, [v[i : i + pb] for i in range(0, n, pb)], n, attrs.checksums, lease_id)
         finally:
             self.pool.give(staging)
 
-    async def _send_value(self, conn: Connection, hdr: FrameHeader, e: Entry, views: list[memoryview]) -> None:
-        meta = {"found": True, "length": e.length}
-        if e.checksums:  # verified when the value came in: no second hash of the value
-            await conn.frames.send_checksummed(hdr.msg_type, meta, views, e.checksums, self.store.page_bytes,
+    async def _send(self, conn: Connection, hdr: FrameHeader, views: list[memoryview], length: int, checksums: bytes,
+                    lease_id: int | None) -> None:
+        meta = GetAnswer(True, length, lease_id).to_meta()
+        if len(checksums) == 8 * len(views):  # verified when the value came in: no second hash of it
+            await conn.frames.send_checksummed(hdr.msg_type, meta, views, checksums, self.page_bytes,
                                                Flags.RESPONSE, hdr.corr_id)
         else:
-            await conn.frames.send(hdr.msg_type, meta, views, self.store.page_bytes, Flags.RESPONSE, hdr.corr_id)
-        self.metrics.bytes_out.inc(e.length)
+            await conn.frames.send(hdr.msg_type, meta, views, self.page_bytes, Flags.RESPONSE, hdr.corr_id)
+        self.metrics.bytes_out.inc(length)
         self.metrics.requests.labels("get", "hit").inc()
 
     # ------------------------------------------------------------ lookups, pins, leases
-    def _skeys(self, meta: dict[str, Any], tenant: Tenant) -> list[bytes]:
-        return [self.tenants.storage_key(tenant.name, k) for k in keys_field(meta, self.limits.max_keys_per_request)]
+    def _present(self, tenant: Tenant, keys: tuple[bytes, ...]) -> list[bytes]:
+        return [sk for sk in (self._skey(tenant, k) for k in keys) if sk in self.store]
 
-    async def lookup(self, conn: Connection, hdr: FrameHeader, meta: dict[str, Any], tenant: Tenant) -> None:
-        skeys = self._skeys(meta, tenant)
-        lease_s = float_field(meta, "lease_s", 0.0, 0.0, self.limits.max_lease_ttl_s)
-        cat = self.store.catalog
-        hits = 0
-        for sk in skeys:  # one dict probe per key, hit or miss alike
-            if sk not in cat:
-                break
-            hits += 1
+    async def lookup(self, conn: Connection, hdr: FrameHeader, req: LookupReq, tenant: Tenant, holder: Owner) -> None:
+        skeys = [self._skey(tenant, k) for k in req.keys]
+        hits = self.store.lookup(skeys).prefix_blocks  # one probe per key, hit or miss alike; hits touched
         lease_id = None
-        if lease_s > 0 and hits:
-            lease_id = cat.lease(tenant.name, conn.id, skeys[:hits], lease_s, time.monotonic()).lease_id
-        await self._answer(conn, hdr, {"hits": hits, "lease": lease_id})
+        if req.lease_s > 0 and hits:
+            self._charge_held(holder, hits)
+            lease_id = self.ledger.lease_many(skeys[:hits], holder,
+                                              min(req.lease_s, self.limits.max_lease_ttl_s)).lease_id
+        await self._answer(conn, hdr, LookupAnswer(hits, lease_id))
 
-    async def contains(self, conn: Connection, hdr: FrameHeader, meta: dict[str, Any], tenant: Tenant) -> None:
-        entries = [self.store.catalog.get(sk) for sk in self._skeys(meta, tenant)]
-        await self._answer(conn, hdr, {"present": [e is not None for e in entries],
-                                       "lengths": [None if e is None else e.length for e in entries]})
+    async def contains(self, conn: Connection, hdr: FrameHeader, req: ContainsReq, tenant: Tenant,
+                       holder: Owner) -> None:
+        sizes = [self.store.size_of(self._skey(tenant, k)) for k in req.keys]
+        await self._answer(conn, hdr, ContainsAnswer(tuple(n is not None for n in sizes), tuple(sizes)))
 
-    async def pin(self, conn: Connection, hdr: FrameHeader, meta: dict[str, Any], tenant: Tenant) -> None:
+    async def pin(self, conn: Connection, hdr: FrameHeader, req: PinReq, tenant: Tenant, holder: Owner) -> None:
+        present = self._present(tenant, req.keys)
+        self._charge_held(holder, len(present))
+        ttl = self._ttl(req.ttl_s, self.limits.pin_ttl_s, self.limits.max_pin_ttl_s)
+        for sk in present:
+            self.ledger.pin(sk, holder, req.reason, ttl)
+        await self._answer(conn, hdr, CountAnswer(len(present)))
+
+    async def unpin(self, conn: Connection, hdr: FrameHeader, req: UnpinReq, tenant: Tenant, holder: Owner) -> None:
         n = 0
-        for sk in self._skeys(meta, tenant):
-            if sk in self.store.catalog:
-                self.store.catalog.pin(sk)
+        for sk in self._present(tenant, req.keys):
+            if holder in self.ledger.pins_of(sk):
+                self.ledger.unpin(sk, holder)
                 n += 1
-        await self._answer(conn, hdr, {"count": n})
+        await self._answer(conn, hdr, CountAnswer(n))
 
-    async def unpin(self, conn: Connection, hdr: FrameHeader, meta: dict[str, Any], tenant: Tenant) -> None:
-        n = 0
-        for sk in self._skeys(meta, tenant):
-            e = self.store.catalog.get(sk)
-            if e is not None and e.pins:
-                self.store.catalog.unpin(sk)
-                n += 1
-        await self._answer(conn, hdr, {"count": n})
+    async def lease(self, conn: Connection, hdr: FrameHeader, req: LeaseReq, tenant: Tenant, holder: Owner) -> None:
+        present = self._present(tenant, req.keys)
+        if len(present) != len(req.keys):
+            raise UnknownBlockError(f"{len(req.keys) - len(present)} of {len(req.keys)} blocks are not stored for "
+                                    f"{tenant.name}: nothing leased")
+        lease_id = None
+        if present:
+            self._charge_held(holder, len(present))
+            ttl = self._ttl(req.ttl_s, self.limits.lease_ttl_s, self.limits.max_lease_ttl_s)
+            lease_id = self.ledger.lease_many(present, holder, ttl).lease_id
+        await self._answer(conn, hdr, LeaseAnswer(lease_id, len(present)))
 
-    async def lease(self, conn: Connection, hdr: FrameHeader, meta: dict[str, Any], tenant: Tenant) -> None:
-        ttl = float_field(meta, "ttl_s", self.limits.lease_ttl_s, 0.001, self.limits.max_lease_ttl_s)
-        lease = self.store.catalog.lease(tenant.name, conn.id, self._skeys(meta, tenant), ttl, time.monotonic())
-        await self._answer(conn, hdr, {"lease": lease.lease_id, "held": len(lease.skeys)})
+    async def release(self, conn: Connection, hdr: FrameHeader, req: ReleaseReq, tenant: Tenant,
+                      holder: Owner) -> None:
+        self.ledger.release_id(req.lease, holder)  # someone else's, released twice or lapsed: LeaseError
+        await self._answer(conn, hdr, Done())
 
-    async def release(self, conn: Connection, hdr: FrameHeader, meta: dict[str, Any], tenant: Tenant) -> None:
-        self.store.catalog.release(int_field(meta, "lease"), tenant.name)
-        await self._answer(conn, hdr, {})
+    async def delete(self, conn: Connection, hdr: FrameHeader, req: DeleteReq, tenant: Tenant, holder: Owner) -> None:
+        n = sum(1 for sk in self._present(tenant, req.keys) if self.store.delete(sk))
+        await self._answer(conn, hdr, CountAnswer(n))
 
-    async def delete(self, conn: Connection, hdr: FrameHeader, meta: dict[str, Any], tenant: Tenant) -> None:
-        n = 0
-        for sk in self._skeys(meta, tenant):
-            e = self.store.catalog.get(sk)
-            if e is not None and e.movable:
-                self.store.drop(sk)
-                n += 1
-        await self._answer(conn, hdr, {"deleted": n})
+    # ------------------------------------------------------------ reports
+    async def stats(self, conn: Connection, hdr: FrameHeader, req: StatsReq, tenant: Tenant, holder: Owner) -> None:
+        await self._answer(conn, hdr, reports.stats(self, tenant, req.brief, req.list_keys))
 
-    async def stats(self, conn: Connection, hdr: FrameHeader, meta: dict[str, Any], tenant: Tenant) -> None:
-        if meta.get("brief") is True:  # totals only: cheap enough for a store's watermark checks
-            cat = self.store.catalog
-            out: dict[str, Any] = {"capacity": cat.host_capacity + cat.disk_capacity,
-                                   "quota": tenant.quota_bytes, "used": cat.usage.get(tenant.name, 0)}
-        else:
-            out = build_stats(self, None if tenant.admin else tenant.name)
-        if meta.get("list_keys") is True:
-            out["keys"] = [e.client_key for _, e in self.store.catalog.items() if e.tenant == tenant.name][:_MAX_LIST]
-        await self._answer(conn, hdr, out)
+    async def owners(self, conn: Connection, hdr: FrameHeader, req: OwnersReq, tenant: Tenant, holder: Owner) -> None:
+        await self._answer(conn, hdr, reports.owners(self, tenant, req.keys, req.prefix))
 
-    async def ping(self, conn: Connection, hdr: FrameHeader, meta: dict[str, Any], tenant: Tenant) -> None:
-        await self._answer(conn, hdr, {})
+    async def leaks(self, conn: Connection, hdr: FrameHeader, req: LeaksReq, tenant: Tenant, holder: Owner) -> None:
+        await self._answer(conn, hdr, reports.leaks(self, tenant))
+
+    async def ping(self, conn: Connection, hdr: FrameHeader, req: PingReq, tenant: Tenant, holder: Owner) -> None:
+        await self._answer(conn, hdr, Done())

@@ -9,7 +9,9 @@ Every byte a peer can make the server hold is bounded before it is allocated:
 - in total: values bound for host land straight in reserved pages of the preallocated host pool;
   values staged for disk, or read back from disk, take buffers from one pool of at most
   ``total_inflight_bytes`` (:class:`kvport.server.staging.StagingPool`);
-- stored bytes: per-tenant quota and the server capacity (:class:`kvport.server.catalog.Catalog`).
+- stored bytes: per-tenant quota (a policy of the store) and the server capacity;
+- leases and pins: each client (tenant/instance) holds at most ``max_held_per_client`` lease-block
+  pairs and pins, charged before anything is recorded, and every one lapses at its TTL.
 
 When a budget is spent, a write is answered with :class:`Rejected` (reason + retry-after) and its
 payload is read and dropped through a small reused scratch buffer, so the connection stays usable
@@ -19,10 +21,11 @@ start a frame but trickle it (slow-loris).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvport.errors import ConfigError
-from kvport.transfer.credits import Rejected, RejectReason
+from kvport.protocol.rejects import Rejected, RejectReason
 
 MiB = 1 << 20
 
@@ -37,20 +40,27 @@ class ServerLimits:
     frame_timeout_s: float = 30.0  # a frame, once started, must arrive whole within this time
     lease_ttl_s: float = 30.0
     max_lease_ttl_s: float = 600.0
+    pin_ttl_s: float = 600.0  # a pin without its own TTL lapses after this (renew by pinning again)
+    max_pin_ttl_s: float = 24 * 3600.0
+    session_ttl_s: float = 600.0  # a SESSION block without its own TTL: idle time before the pool drops it
+    request_ttl_s: float = 60.0  # a REQUEST block without its own TTL
+    max_held_per_client: int = 1 << 16  # lease-block pairs + pins one client may hold
     max_connections: int = 1024
     max_keys_per_request: int = 4096
     retry_after_s: float = 0.05
 
     def __post_init__(self) -> None:
         for name in ("max_header_bytes", "max_value_bytes", "total_inflight_bytes", "max_connections",
-                     "max_keys_per_request"):
+                     "max_keys_per_request", "max_held_per_client"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         if self.total_inflight_bytes < self.max_value_bytes:
             raise ConfigError("total_inflight_bytes must hold at least one value of max_value_bytes")
-        for name in ("handshake_timeout_s", "idle_timeout_s", "frame_timeout_s", "lease_ttl_s", "retry_after_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive")
+        for name in ("handshake_timeout_s", "idle_timeout_s", "frame_timeout_s", "lease_ttl_s", "retry_after_s",
+                     "pin_ttl_s", "session_ttl_s", "request_ttl_s", "max_lease_ttl_s", "max_pin_ttl_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+                raise ConfigError(f"{name} must be a positive, finite number of seconds, got {v!r}")
 
 
-__all__ = ["RejectReason", "Rejected", "ServerLimits"]  # the refusal values are the transfer layer's
+__all__ = ["RejectReason", "Rejected", "ServerLimits"]  # the refusal values are the protocol layer's

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 from kvport.metrics import counter, gauge
 
 if TYPE_CHECKING:
-    from kvport.server.blocks import BlockStore
     from kvport.server.staging import StagingPool
+    from kvport.store import TieredStore
 
 
 class ServerMetrics:
@@ -24,12 +24,15 @@ class ServerMetrics:
         self.capacity = gauge("server_capacity_bytes", "capacity, by place", ("place",))
         self.blocks = gauge("server_blocks", "blocks stored")
         self.staging = gauge("server_staging_bytes", "staging buffers allocated (values in flight)")
+        self.leases = gauge("server_leases", "leases held by clients")
+        self.pins = gauge("server_pins", "pins held by clients")
 
-    def observe(self, store: BlockStore, pool: StagingPool) -> None:
-        cat = store.catalog
-        self.used.labels("host").set(cat.host_used)
-        self.used.labels("disk").set(cat.disk_used)
-        self.capacity.labels("host").set(cat.host_capacity)
-        self.capacity.labels("disk").set(cat.disk_capacity)
-        self.blocks.set(len(cat))
+    def observe(self, store: TieredStore, pool: StagingPool) -> None:
+        st = store.stats()
+        for name in store.names:
+            self.used.labels(name).set(st.used_bytes[name])
+            self.capacity.labels(name).set(store.tiers[name].capacity_bytes)
+        self.blocks.set(len(store))
         self.staging.set(pool.allocated)
+        self.leases.set(len(store.ledger.leases()))
+        self.pins.set(sum(1 for _ in store.ledger.pins()))

@@ -79,6 +79,14 @@ class TenantTable:
     def names(self) -> list[str]:
         return sorted(self._tenants)
 
+    def key_lookup(self, name: str) -> tuple[bool, bytes | None]:
+        """(known, token) of a tenant, as the handshake asks for it."""
+        t = self._tenants.get(name)
+        return (t is not None, None if t is None else t.token)
+
+    def quotas(self) -> dict[str, int]:
+        return {n: t.quota_bytes for n, t in self._tenants.items() if t.quota_bytes is not None}
+
     def all_have_tokens(self) -> bool:
         return all(t.token for t in self._tenants.values())
 

@@ -5,9 +5,10 @@ Public API: :class:`TieredStore`, :class:`LookupResult`, :class:`StoreStats`, :c
 :class:`TierIndex` and the eviction policies (:func:`make_policy`: ``"slru"`` default, ``"lru"``, ``"lfu"``).
 """
 
+from kvport.lifetime import Lifetime
 from kvport.store.eviction import POLICIES, EvictionPolicy, LFUDAPolicy, LRUPolicy, make_policy
 from kvport.store.index import TierIndex
-from kvport.store.lifetime import Lifetime, LifetimePolicy, LifetimeRule
+from kvport.store.lifetime import LifetimePolicy, LifetimeRule
 from kvport.store.tiered import TieredStore
 from kvport.store.types import LookupResult, StoreStats, TierPolicy, WriteMode
 

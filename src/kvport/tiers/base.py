@@ -17,6 +17,10 @@ Contract shared by every implementation:
   :mod:`kvport.errors` with ``raise ... from exc``.
 * Batched forms have correct default implementations (a loop); tiers override them where the backend
   can batch (Redis pipelines).
+* A block may travel with its :class:`BlockMeta` (parent, lifetime class, TTL, account, opaque
+  attributes): ``put_block`` takes it, and a tier that declares ``caps.block_meta`` keeps it (the
+  paged tier's journal) or forwards it (the kvport server's client) and gives it back in
+  ``records()``; every other tier ignores it. A tier never acts on it: placement is the store's.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ import numpy as np
 from typing_extensions import Buffer as _BufferProtocol
 
 from kvport.errors import BlockNotFoundError, BufferMismatchError, CorruptBlockError, TierError
+from kvport.lifetime import Lifetime
 
-__all__ = ["Buffer", "Tier", "TierCaps", "byte_view", "writable_view"]
+__all__ = ["BlockMeta", "Buffer", "Tier", "TierCaps", "byte_view", "writable_view"]
 
 # Anything exposing the buffer protocol; numpy arrays listed explicitly because numpy's stubs only
 # declare ``__buffer__`` for Python >= 3.12.
@@ -55,6 +60,7 @@ class TierCaps:
     max_value_bytes: the largest value one ``put`` accepts.
     native_ttl:      the backend expires values itself (Redis); otherwise the store expires them.
     device:          the values live in accelerator memory.
+    block_meta:      ``put_block`` keeps or forwards the BlockMeta and ``records()`` gives it back.
     """
 
     persistent: bool
@@ -64,6 +70,20 @@ class TierCaps:
     zero_copy_write: bool = False
     native_ttl: bool = False
     device: bool = False
+    block_meta: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMeta:
+    """What the store knows of a block beside its bytes; opaque to every tier but the ones that
+    persist (``caps.block_meta``) or forward it. ``attrs`` are the caller's own bytes (the server
+    keeps the client key and the verified chunk checksums there)."""
+
+    parent: bytes | None = None
+    lifetime: Lifetime | None = None
+    ttl_s: float | None = None
+    account: str | None = None
+    attrs: bytes = b""
 
 
 def byte_view(data: Buffer) -> memoryview:
@@ -147,6 +167,40 @@ class Tier(abc.ABC):
     def charge(self, nbytes: int) -> int:
         """Bytes of capacity a value of ``nbytes`` takes here (the host pool charges whole pages)."""
         return nbytes
+
+    # ------------------------------------------------------------------ blocks with metadata, parts
+    def put_block(self, key: bytes, parts: Sequence[Buffer], meta: BlockMeta, *, ttl_s: float | None = None) -> None:
+        """Store the value made of ``parts`` (in order) with its metadata; all or nothing. The default
+        ignores ``meta`` (``caps.block_meta`` is False) and joins the parts when there are several."""
+        if len(parts) == 1:
+            self.put(key, parts[0], ttl_s=ttl_s)
+            return
+        self.put(key, b"".join(byte_view(p) for p in parts), ttl_s=ttl_s)
+
+    def records(self) -> Iterator[tuple[bytes, int, BlockMeta | None]]:
+        """(key, length, metadata) of every value held; the metadata is None where not kept."""
+        for k in list(self.keys()):
+            n = self.size_of(k)
+            if n is not None:
+                yield k, n, None
+
+    # ------------------------------------------------------------------ zero-copy (caps.zero_copy_*)
+    def reserve_views(self, key: bytes, nbytes: int) -> list[memoryview]:
+        """Writable views that receive the value, in order; invisible until :meth:`commit`, gone on
+        :meth:`abort`. Only tiers with ``caps.zero_copy_write``."""
+        raise TierError(f"{self.name}: no zero-copy write (caps.zero_copy_write is False)")
+
+    def commit(self, key: bytes, meta: BlockMeta | None = None) -> None:
+        """Make a reserved value visible (with its metadata, where the tier keeps it)."""
+        raise TierError(f"{self.name}: no zero-copy write (caps.zero_copy_write is False)")
+
+    def abort(self, key: bytes) -> None:
+        raise TierError(f"{self.name}: no zero-copy write (caps.zero_copy_write is False)")
+
+    def read_views(self, key: bytes) -> list[memoryview]:
+        """Read-only zero-copy views of the value, in order (valid until it is deleted or replaced:
+        the caller holds a lease or pin). Only tiers with ``caps.zero_copy_read``."""
+        return [self.view(key)]
 
     def get(self, key: bytes) -> bytes:
         """Convenience copy for tests and small values (hot paths use ``get_into``)."""

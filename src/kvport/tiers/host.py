@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvport.errors import BlockNotFoundError, BufferMismatchError, TierError, TierFullError
-from kvport.tiers.base import Buffer, Tier, TierCaps, byte_view, writable_view
+from kvport.tiers.base import BlockMeta, Buffer, Tier, TierCaps, byte_view, writable_view
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +149,10 @@ class HostTier(Tier):
         off = slot.page * self.page_bytes
         return self._mv[off : off + nbytes]
 
-    def commit(self, key: bytes) -> None:
+    def reserve_views(self, key: bytes, nbytes: int) -> list[memoryview]:
+        return [self.reserve(key, nbytes)]
+
+    def commit(self, key: bytes, meta: BlockMeta | None = None) -> None:
         """Make a reserved page visible under ``key`` (replacing any committed value)."""
         with self._lock:
             slot = self._reserved.pop(key, None)

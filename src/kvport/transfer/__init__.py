@@ -12,7 +12,10 @@ Modules, bottom to top::
     sender | receiver   the two ends of a transfer (layer-wise streaming, wait_for_layer)
 """
 
-from kvport.transfer.credits import Admitted, Backpressure, Rejected, RejectReason
+from kvport.protocol.frame import Flags, Limits, MsgType
+from kvport.protocol.rejects import Rejected, RejectReason
+from kvport.protocol.transport import Transport
+from kvport.transfer.credits import Admitted, Backpressure
 from kvport.transfer.destination import (
     BlockTableDestination,
     Destination,
@@ -22,10 +25,9 @@ from kvport.transfer.destination import (
     host_tier_factory,
 )
 from kvport.transfer.meta import TransferMeta, check_compatible
+from kvport.transfer.ratelimit import RateLimited, TokenBucket
 from kvport.transfer.receiver import Incoming, Receiver
 from kvport.transfer.sender import Outgoing, Sender
-from kvport.transfer.transport import RateLimited, TokenBucket, Transport
-from kvport.transfer.wire import Flags, Limits, MsgType
 
 __all__ = [
     "Admitted", "Backpressure", "BlockTableDestination", "Destination", "DestinationFactory", "Flags",

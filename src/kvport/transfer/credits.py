@@ -15,13 +15,13 @@ not enforce them (and then overflows or drops, which is what the benchmark shows
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from dataclasses import dataclass
 
 from kvport.errors import BackpressureTimeout, ConfigError, ProtocolError
 from kvport.metrics import counter, gauge, histogram
+from kvport.protocol.rejects import Rejected, RejectReason
 
 CREDIT_WAITS = counter("transfer_credit_waits_total", "Sends that had to wait for receiver credits")
 CREDIT_WAIT_S = histogram("transfer_credit_wait_seconds", "Time a send waited for credits",
@@ -48,27 +48,6 @@ class Backpressure:
 @dataclass(frozen=True, slots=True)
 class Admitted:
     available_bytes: int
-
-
-class RejectReason(enum.Enum):
-    """Why new work was refused (one set for the transfer sender and the kvport server)."""
-
-    BUSY = "busy"  # buffers or in-flight budget above the high watermark: retry soon
-    QUOTA = "quota"  # the tenant's quota is full of pinned/leased blocks
-    FULL = "full"  # the store is full of pinned/leased blocks
-    TOO_LARGE = "too_large"  # can never fit (over the value limit or the quota)
-    SHUTTING_DOWN = "shutting_down"
-    PEER_FAILED = "peer_failed"  # the connection is gone: reconnect before retrying
-
-
-@dataclass(frozen=True, slots=True)
-class Rejected:
-    """Admission refused, as a value (not an exception): a scheduler stops admitting new prompts
-    and retries after ``retry_after_s`` (None when retrying cannot help)."""
-
-    reason: RejectReason
-    retry_after_s: float | None
-    detail: str = ""
 
 
 class CreditWindow:
@@ -196,3 +175,6 @@ def wait_for(window: CreditWindow, n: int, timeout: float | None) -> None:
     CREDIT_WAIT_S.observe(time.monotonic() - t0)
     if not ok:
         raise BackpressureTimeout(f"no credit for {n} bytes within {timeout} s ({window.available} available)")
+
+
+__all__ = ["Admitted", "Backpressure", "CreditPool", "CreditWindow", "RejectReason", "Rejected", "wait_for"]

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import numpy as np
 
 from kvport.errors import BufferMismatchError, IllegalMoveError
+from kvport.protocol.transport import Buffer
 from kvport.transfer.meta import TransferMeta
-from kvport.transfer.transport import Buffer
 
 if TYPE_CHECKING:  # types only: the tier is used through reserve / commit / abort
     from kvport.tiers.host import HostTier

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 
 from kvport.errors import PeerError
-from kvport.transfer.transport import Buffer, as_byte_views
+from kvport.protocol.transport import Buffer, as_byte_views
 
 
 class _Pipe:

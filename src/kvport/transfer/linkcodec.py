@@ -21,8 +21,8 @@ import numpy as np
 from kvport.codec import Codec, get_codec
 from kvport.codec.base import KVShape
 from kvport.errors import CodecError, CodecParamsError, IncompatibleSpecError
+from kvport.protocol.transport import Buffer
 from kvport.spec import KVSpec
-from kvport.transfer.transport import Buffer
 
 _NP = {"bf16": np.uint16, "fp16": np.float16, "fp32": np.float32}
 _VARIABLE_SIZE = frozenset({"lossless"})

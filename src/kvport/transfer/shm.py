@@ -19,7 +19,7 @@ unchanged until the transfer is committed (``Sender.end`` returned). Parts under
 through the ring. EOF or a timeout on the control socket is a PeerError.
 
 Described payloads (:meth:`describe` / :meth:`send_described`, used by
-:class:`~kvport.transfer.framing.FrameIO`): when every chunk of a frame lies in one registered
+:class:`~kvport.protocol.sync.FrameIO`): when every chunk of a frame lies in one registered
 region, the whole payload travels as one PAYLOAD control message -- the chunks' offsets and their
 checksums -- and the receiver copies and verifies all of them in one native call
 (:func:`kvport.memops.copy_verify`: non-temporal stores, hashing exactly the bytes it wrote, on
@@ -50,7 +50,7 @@ import numpy as np
 
 from kvport import memops
 from kvport.errors import PeerError
-from kvport.transfer.transport import Buffer, as_byte_views
+from kvport.protocol.transport import Buffer, as_byte_views
 
 _CTRL = struct.Struct("<BxHIQ")  # kind, slot/region, nbytes, offset
 _FILLED, _FREED, _DESC, _REG, _MAPPED, _PAYLOAD = 1, 2, 3, 5, 6, 7

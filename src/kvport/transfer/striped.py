@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kvport.errors import ConfigError
-from kvport.transfer.transport import Buffer, Transport, as_byte_views
+from kvport.protocol.transport import Buffer, Transport, as_byte_views
 
 
 def split_stream(views: Sequence[memoryview], start: int, stripe: int, n: int) -> list[list[memoryview]]:

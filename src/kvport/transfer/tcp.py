@@ -1,104 +1,27 @@
-"""TCP transport: gather ``sendmsg`` / scatter ``recvmsg_into`` over memoryviews, tuned socket buffers.
+"""TCP links for transfers: a listener, ``connect``, and striping over several connections.
 
-Hot path (measured by ``kvport bench transfer`` against a raw ``sendall``/``recv_into`` socket of
-the same bytes): no copies in Python; one syscall moves up to ``_IOV_MAX`` buffers. A socket timeout
-(the peer stopped reading or writing) and every OSError become :class:`PeerError`.
-
-Listeners bind 127.0.0.1 by default; binding any other address requires a shared secret, and every
-accepted connection then passes the HMAC challenge-response of :mod:`kvport.transfer.auth`.
+The byte stream itself is :class:`kvport.protocol.net.SocketTransport` (gather ``sendmsg`` /
+scatter ``recvmsg_into``, tuned socket buffers). Listeners bind 127.0.0.1 by default; binding any
+other address requires a shared secret, and every connection then passes the one handshake of
+:mod:`kvport.protocol.handshake` (mutual HMAC over the secret) before any frame of a transfer.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ipaddress
 import os
-import select
 import socket
-from collections.abc import Sequence
 
 from kvport.errors import ConfigError, PeerError, ProtocolError
+from kvport.protocol.frame import Limits, MsgType
+from kvport.protocol.handshake import client_handshake, server_handshake
+from kvport.protocol.net import SOCK_BUF_BYTES, SocketTransport, connect_socket, instance_label, is_loopback, tune
+from kvport.protocol.sync import FrameIO
 from kvport.transfer.striped import StripedTransport
-from kvport.transfer.transport import Buffer, advance, as_byte_views
-from kvport.transfer.wire import Limits, MsgType
 
-_IOV_MAX = 512
+TRANSFER_PRINCIPAL = "transfer"  # the principal a transfer link's shared secret belongs to
+
 _HELLO_LIMITS = Limits(max_meta_bytes=256, max_payload_bytes=1, max_chunk_bytes=1, max_chunks=1)
-SOCK_BUF_BYTES = 4 << 20
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return host == "localhost"
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def tune(sock: socket.socket, buf_bytes: int = SOCK_BUF_BYTES) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buf_bytes)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buf_bytes)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-class TcpTransport:
-    """One connected TCP socket. Not thread-safe for concurrent sends (or concurrent recvs)."""
-
-    def __init__(self, sock: socket.socket, timeout_s: float | None = 30.0, name: str = "tcp") -> None:
-        self.sock = sock
-        self.name = name
-        sock.settimeout(timeout_s)
-        self._closed = False
-
-    def settimeout(self, timeout_s: float | None) -> None:
-        self.sock.settimeout(timeout_s)
-
-    def send(self, parts: Sequence[Buffer]) -> None:
-        views = as_byte_views(parts)
-        i = 0
-        try:
-            while i < len(views):
-                n = self.sock.sendmsg(views[i : i + _IOV_MAX])
-                i = advance(views, i, n)  # drop finished views, slice the partial one
-        except TimeoutError as exc:
-            raise PeerError(f"{self.name}: send timed out (peer stopped reading)") from exc
-        except OSError as exc:
-            raise PeerError(f"{self.name}: send failed: {exc}") from exc
-
-    def recv_into(self, parts: Sequence[memoryview]) -> None:
-        views = as_byte_views(parts)
-        i = 0
-        try:
-            while i < len(views):
-                if len(views) - i == 1:
-                    n = self.sock.recv_into(views[i])
-                else:
-                    n = self.sock.recvmsg_into(views[i : i + _IOV_MAX])[0]
-                if n == 0:
-                    raise PeerError(f"{self.name}: connection closed by peer mid-frame")
-                i = advance(views, i, n)  # drop finished views, slice the partial one
-        except TimeoutError as exc:
-            raise PeerError(f"{self.name}: receive timed out (peer stopped sending)") from exc
-        except OSError as exc:
-            raise PeerError(f"{self.name}: receive failed: {exc}") from exc
-
-    def readable(self, timeout: float) -> bool:
-        if self._closed:
-            return False
-        try:
-            r, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
-        except (OSError, ValueError) as exc:
-            raise PeerError(f"{self.name}: select failed: {exc}") from exc
-        return bool(r)
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on this socket
-            with contextlib.suppress(OSError):
-                self.sock.close()
+TcpTransport = SocketTransport  # the transfer's name for a connected socket
 
 
 class TcpListener:
@@ -118,8 +41,6 @@ class TcpListener:
         self.host, self.port = self.sock.getsockname()[:2]
 
     def accept(self, timeout_s: float | None = 30.0) -> TcpTransport:
-        from kvport.transfer.auth import server_handshake
-
         self.sock.settimeout(timeout_s)
         try:
             conn, addr = self.sock.accept()
@@ -130,8 +51,9 @@ class TcpListener:
         tune(conn, self.buf_bytes)
         t = TcpTransport(conn, self.timeout_s, name=f"tcp<-{addr[0]}:{addr[1]}")
         if self.secret:
+            secret = self.secret
             try:
-                server_handshake(t, self.secret)
+                server_handshake(FrameIO(t), "kvport-transfer", lambda who: (who == TRANSFER_PRINCIPAL, secret))
             except BaseException:
                 t.close()
                 raise
@@ -140,8 +62,6 @@ class TcpListener:
     def accept_striped(self, streams: int, stripe_bytes: int = 1 << 20,
                        timeout_s: float | None = 30.0) -> StripedTransport:
         """Accept the ``streams`` connections of one striped client (see :func:`connect_striped`)."""
-        from kvport.transfer.framing import FrameIO
-
         got: dict[int, TcpTransport] = {}
         session: bytes | None = None
         try:
@@ -168,8 +88,6 @@ class TcpListener:
 def connect_striped(host: str, port: int, streams: int, stripe_bytes: int = 1 << 20, secret: bytes | None = None,
                     timeout_s: float | None = 30.0, buf_bytes: int = SOCK_BUF_BYTES) -> StripedTransport:
     """``streams`` connections carrying one byte stream in ``stripe_bytes`` stripes."""
-    from kvport.transfer.framing import FrameIO
-
     if streams <= 0:
         raise ConfigError(f"streams must be positive, got {streams}")
     session = os.urandom(16)
@@ -188,18 +106,15 @@ def connect_striped(host: str, port: int, streams: int, stripe_bytes: int = 1 <<
 
 def connect(host: str, port: int, secret: bytes | None = None, timeout_s: float | None = 30.0,
             buf_bytes: int = SOCK_BUF_BYTES) -> TcpTransport:
-    from kvport.transfer.auth import client_handshake
-
-    try:
-        sock = socket.create_connection((host, port), timeout=timeout_s)
-    except OSError as exc:
-        raise PeerError(f"cannot connect to {host}:{port}: {exc}") from exc
-    tune(sock, buf_bytes)
-    t = TcpTransport(sock, timeout_s, name=f"tcp->{host}:{port}")
+    t = connect_socket(host, port, timeout_s, buf_bytes)
     if secret:
         try:
-            client_handshake(t, secret)
+            client_handshake(FrameIO(t), TRANSFER_PRINCIPAL, secret, instance_label())
         except BaseException:
             t.close()
             raise
     return t
+
+
+__all__ = ["SOCK_BUF_BYTES", "TRANSFER_PRINCIPAL", "TcpListener", "TcpTransport", "connect", "connect_striped",
+           "is_loopback", "tune"]

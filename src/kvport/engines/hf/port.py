@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from kvport.keys import BlockKey
-from kvport.store.lifetime import Lifetime
+from kvport.lifetime import Lifetime
 
 __all__ = ["BlockStore", "Lifetime"]
 

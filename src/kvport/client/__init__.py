@@ -1,0 +1,16 @@
+"""The client of a kvport server: the store's view of the shared tier.
+
+::
+
+    conn     ClientConfig, ServerConn (handshake, one typed request at a time), ConnPool
+    remote   RemoteTier: the server as a Tier (put_block forwards parent / lifetime / TTL), plus
+             lookup, pin, lease, owners, leaks, stats for callers that know they talk to a server
+
+It sits above ``protocol`` and ``store`` (whoever builds a store passes a RemoteTier in; the store
+never imports it) and below the engines, the demo and the CLI.
+"""
+
+from kvport.client.conn import ClientConfig, ConnPool, ServerConn
+from kvport.client.remote import LookupResult, RemoteTier, Stored
+
+__all__ = ["ClientConfig", "ConnPool", "LookupResult", "RemoteTier", "ServerConn", "Stored"]

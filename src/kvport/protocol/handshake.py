@@ -1,0 +1,222 @@
+"""The one handshake of every kvport connection: mutual HMAC challenge-response; no secret travels.
+
+::
+
+    server -> AUTH_CHALLENGE {nonce_s: 32 random bytes, auth: "hmac-sha256", server: name, info: {str: int}}
+    client -> AUTH_RESPONSE  {nonce_c: 32 random bytes, who: principal, client: instance label,
+                              mac: HMAC-SHA256(key, LABEL | "c" | nonce_s | nonce_c | who)   (b"" without a key)}
+    server -> AUTH_OK        {who, mac: HMAC-SHA256(key, LABEL | "s" | nonce_c | nonce_s | who)  (b"" without a key)}
+              | ERROR {AuthError} and close
+
+``who`` names the principal whose key signs: a tenant of a kvport server, or the holder of a
+transfer link's shared secret. ``client`` labels one client instance (a process); the server uses
+``(who, client)`` as the holder of leases and pins. The key is the tenant's token (server) or the
+shared secret (transfer). The direction byte stops a reflected answer, a fresh nonce on each side
+makes a recorded answer useless, both sides compare with :func:`hmac.compare_digest`, and an unknown
+principal is answered exactly like a wrong key (same work, same message). A principal without a
+key is accepted with an empty mac only; a listener beyond loopback refuses to start with one
+(checked where listeners are built).
+
+Sans-I/O: the message classes and MACs below; :func:`client_handshake` / :func:`server_handshake`
+drive them over the blocking shell (:class:`~kvport.protocol.sync.FrameIO`), and
+:func:`server_handshake_async` over the asyncio shell (:class:`~kvport.protocol.aio.AsyncFrames`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvport.errors import AuthError, KVPortError, PeerError, ProtocolError
+from kvport.protocol.errors import error_meta
+from kvport.protocol.fields import bytes_field, str_field
+from kvport.protocol.frame import Flags, Limits, MsgType
+
+if TYPE_CHECKING:
+    from kvport.protocol.aio import AsyncFrames
+    from kvport.protocol.sync import FrameIO
+
+LABEL = b"kvport.auth.v2"
+NONCE_BYTES = 32
+MAC_BYTES = 32
+MAX_NAME = 64
+MAX_INFO = 16
+HANDSHAKE_LIMITS = Limits(max_meta_bytes=1024, max_payload_bytes=1, max_chunk_bytes=1, max_chunks=1)
+_DUMMY_KEY = secrets.token_bytes(32)
+
+
+def client_mac(key: bytes | None, nonce_s: bytes, nonce_c: bytes, who: str) -> bytes:
+    if not key:
+        return b""
+    return hmac.new(key, LABEL + b"c" + nonce_s + nonce_c + who.encode(), hashlib.sha256).digest()
+
+
+def server_mac(key: bytes | None, nonce_s: bytes, nonce_c: bytes, who: str) -> bytes:
+    if not key:
+        return b""
+    return hmac.new(key, LABEL + b"s" + nonce_c + nonce_s + who.encode(), hashlib.sha256).digest()
+
+
+def _nonce(meta: dict[str, Any], name: str) -> bytes:
+    v = meta.get(name)
+    if not isinstance(v, bytes) or len(v) != NONCE_BYTES:
+        raise AuthError(f"handshake field {name!r} missing or malformed")
+    return v
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    nonce: bytes
+    server: str
+    info: dict[str, int] = field(default_factory=dict)  # what the client must know (page size, limits)
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"nonce_s": self.nonce, "auth": "hmac-sha256", "server": self.server, "info": self.info}
+
+    @classmethod
+    def from_meta(cls, m: dict[str, Any]) -> Challenge:
+        info = m.get("info", {})
+        if m.get("auth") != "hmac-sha256" or not isinstance(info, dict) or len(info) > MAX_INFO or \
+                not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in info.items()):
+            raise ProtocolError("malformed AUTH_CHALLENGE")
+        return cls(_nonce(m, "nonce_s"), str_field(m, "server", MAX_NAME), dict(info))
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    nonce: bytes
+    who: str
+    client: str
+    mac: bytes
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"nonce_c": self.nonce, "who": self.who, "client": self.client, "mac": self.mac}
+
+    @classmethod
+    def from_meta(cls, m: dict[str, Any]) -> Response:
+        return cls(_nonce(m, "nonce_c"), str_field(m, "who", MAX_NAME), str_field(m, "client", MAX_NAME),
+                   bytes_field(m, "mac", MAC_BYTES))
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    who: str
+    mac: bytes
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"who": self.who, "mac": self.mac}
+
+    @classmethod
+    def from_meta(cls, m: dict[str, Any]) -> Welcome:
+        return cls(str_field(m, "who", MAX_NAME), bytes_field(m, "mac", MAC_BYTES))
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """Who is on the other side once the handshake succeeded."""
+
+    who: str  # the authenticated principal (the client's, on the server side)
+    client: str  # the client's instance label (server side) or the server's name (client side)
+    info: dict[str, int] = field(default_factory=dict)
+
+
+# ``keys(who)`` -> (known, key): an unknown principal fails exactly like a wrong key
+KeyLookup = Callable[[str], tuple[bool, bytes | None]]
+
+
+def check_response(keys: KeyLookup, nonce_s: bytes, r: Response) -> bytes | None:
+    """The principal's key when its answer is right; AuthError otherwise (same work either way)."""
+    known, key = keys(r.who)
+    expected = client_mac(key if known else _DUMMY_KEY, nonce_s, r.nonce, r.who)
+    ok = hmac.compare_digest(expected, r.mac) if expected else r.mac == b""
+    if not (ok and known):
+        raise AuthError("authentication failed")
+    return key
+
+
+def check_welcome(key: bytes | None, nonce_s: bytes, nonce_c: bytes, who: str, w: Welcome) -> None:
+    if w.who != who or not hmac.compare_digest(server_mac(key, nonce_s, nonce_c, who), w.mac):
+        raise AuthError("server failed to prove it holds the key")
+
+
+# ---------------------------------------------------------------------- blocking shell
+def client_handshake(io: FrameIO, who: str, key: bytes | None, client: str) -> Peer:
+    """Answer the server's challenge; the server's name and info once it proved itself."""
+    limits, io.limits = io.limits, HANDSHAKE_LIMITS
+    try:
+        hdr, meta = io.read_head()
+        if hdr.msg_type is not MsgType.AUTH_CHALLENGE or hdr.payload_len:
+            raise ProtocolError(f"expected AUTH_CHALLENGE, got {hdr.msg_type.name}")
+        ch = Challenge.from_meta(meta)
+        nonce_c = secrets.token_bytes(NONCE_BYTES)
+        answer = Response(nonce_c, who, client, client_mac(key, ch.nonce, nonce_c, who))
+        io.send(MsgType.AUTH_RESPONSE, answer.to_meta())
+        hdr, meta = io.read_head()
+        if hdr.flags & Flags.ERROR or hdr.msg_type is MsgType.ERROR:
+            raise AuthError(f"server refused {who!r}: {str(meta.get('message', ''))[:200]}")
+        if hdr.msg_type is not MsgType.AUTH_OK or hdr.payload_len:
+            raise ProtocolError(f"expected AUTH_OK, got {hdr.msg_type.name}")
+        check_welcome(key, ch.nonce, nonce_c, who, Welcome.from_meta(meta))
+        return Peer(who, ch.server, ch.info)
+    except (AuthError, PeerError):  # refused, or the connection itself failed (not an auth answer)
+        raise
+    except KVPortError as exc:
+        raise AuthError(f"handshake failed: {exc}") from exc
+    finally:
+        io.limits = limits
+
+
+def server_handshake(io: FrameIO, server: str, keys: KeyLookup, info: dict[str, int] | None = None) -> Peer:
+    """Challenge the client; the authenticated principal, or AuthError (after telling the client)."""
+    limits, io.limits = io.limits, HANDSHAKE_LIMITS
+    try:
+        nonce_s = secrets.token_bytes(NONCE_BYTES)
+        io.send(MsgType.AUTH_CHALLENGE, Challenge(nonce_s, server, info or {}).to_meta())
+        hdr, meta = io.read_head()
+        if hdr.msg_type is not MsgType.AUTH_RESPONSE or hdr.payload_len:
+            raise ProtocolError(f"expected AUTH_RESPONSE, got {hdr.msg_type.name}")
+        r = Response.from_meta(meta)
+        try:
+            key = check_response(keys, nonce_s, r)
+        except AuthError as exc:
+            io.send(MsgType.ERROR, error_meta(exc), flags=Flags.RESPONSE | Flags.ERROR, corr_id=hdr.corr_id)
+            raise
+        io.send(MsgType.AUTH_OK, Welcome(r.who, server_mac(key, nonce_s, r.nonce, r.who)).to_meta(),
+                flags=Flags.RESPONSE, corr_id=hdr.corr_id)
+        return Peer(r.who, r.client)
+    except (AuthError, PeerError):  # refused, or the connection itself failed (not an auth answer)
+        raise
+    except KVPortError as exc:
+        raise AuthError(f"handshake failed: {exc}") from exc
+    finally:
+        io.limits = limits
+
+
+# ---------------------------------------------------------------------- asyncio shell
+async def server_handshake_async(frames: AsyncFrames, server: str, keys: KeyLookup,
+                                  info: dict[str, int] | None = None) -> Peer:
+    """:func:`server_handshake` on the server's event loop (the caller bounds it with a deadline)."""
+    limits, frames.limits = frames.limits, HANDSHAKE_LIMITS
+    try:
+        nonce_s = secrets.token_bytes(NONCE_BYTES)
+        await frames.send(MsgType.AUTH_CHALLENGE, Challenge(nonce_s, server, info or {}).to_meta())
+        await frames.wait_frame()
+        hdr = await frames.read_header()
+        meta = await frames.read_meta(hdr)
+        if hdr.msg_type is not MsgType.AUTH_RESPONSE or hdr.payload_len:
+            raise ProtocolError(f"expected AUTH_RESPONSE, got {hdr.msg_type.name}")
+        r = Response.from_meta(meta)
+        try:
+            key = check_response(keys, nonce_s, r)
+        except AuthError as exc:
+            await frames.send_error(MsgType.ERROR, exc, hdr.corr_id)
+            raise
+        await frames.send(MsgType.AUTH_OK, Welcome(r.who, server_mac(key, nonce_s, r.nonce, r.who)).to_meta(),
+                          flags=Flags.RESPONSE, corr_id=hdr.corr_id)
+        return Peer(r.who, r.client)
+    finally:
+        frames.limits = limits

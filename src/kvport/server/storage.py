@@ -1,0 +1,82 @@
+"""What the server stores on: one :class:`~kvport.store.TieredStore` (host pages + disk) and its ledger.
+
+::
+
+    TieredStore(ledger, quotas = {tenant: bytes}, keep_orphans=False)
+      +- "host"  PagedTier(HostTier pool)              values received straight into pool pages
+      +- "disk"  PagedTier(DiskTier, journal=folder)   values as one slab each; the journal records
+                                                       (key, length, BlockMeta) so a restart finds
+                                                       every block with its parent, lifetime, tenant
+
+Placement, eviction (prefix-aware: a block never outlives its parent), demotion, lifetimes and TTLs
+are the store's; ownership, leases and pins are the ledger's (a PUT hands the block to the pool,
+recorded with the client that put it and its lifetime class); a tenant's quota is the store's
+quota for the tenant's account. Block keys are tenant-salted storage keys (:mod:`.tenants`); what the
+server keeps beside the bytes is :class:`Attrs` (the client's key and the chunk checksums verified
+on PUT, resent on GET instead of hashing the value again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from kvport.errors import ConfigError, TierError
+from kvport.keys import KEY_BYTES
+from kvport.ledger import Ledger
+from kvport.store import LifetimePolicy, TieredStore, TierPolicy
+from kvport.tiers.host import HostTier
+from kvport.tiers.paged import PagedTier
+
+MiB = 1 << 20
+_MIN_HOST_PAGES = 4
+HOST, DISK = "host", "disk"
+
+
+@dataclass(frozen=True, slots=True)
+class Attrs:
+    """The server's bytes kept with a block: ``client key (16) | chunk checksums (8 per page)``."""
+
+    client_key: bytes
+    checksums: bytes
+
+    def encode(self) -> bytes:
+        return self.client_key + self.checksums
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Attrs:
+        return cls(raw[:KEY_BYTES], raw[KEY_BYTES:])
+
+
+def host_pool_bytes(capacity_bytes: int, inflight_bytes: int, page_bytes: int) -> int:
+    """The host pool: whatever the process budget leaves after the measured baseline and staging."""
+    HostTier(page_bytes, page_bytes, pin=False).close()  # load the pool's libraries first
+    baseline = int(psutil.Process().memory_info().rss)
+    host_bytes = capacity_bytes - baseline - inflight_bytes - MiB
+    if host_bytes < _MIN_HOST_PAGES * page_bytes:
+        raise ConfigError(f"capacity {capacity_bytes} leaves no room for a host pool (baseline {baseline} "
+                          f"bytes, in-flight {inflight_bytes})")
+    return host_bytes
+
+
+def open_storage(host_bytes: int, page_bytes: int, disk_dir: Path | None, disk_capacity: int,
+                 quotas: dict[str, int], max_value_bytes: int, eviction: str = "lru") -> TieredStore:
+    """The server's store; a ``disk_dir`` another process holds is refused (ConfigError)."""
+    host = PagedTier(HostTier(host_bytes, page_bytes, pin=False, name="server-host"), page_bytes, name=HOST,
+                     max_value_bytes=max_value_bytes)
+    tiers = [host]
+    if disk_dir is not None:
+        from kvport.tiers.disk import DiskTier
+
+        try:
+            disk = PagedTier(DiskTier(disk_dir / "blocks", disk_capacity), page_bytes, name=DISK,
+                             journal_dir=disk_dir, max_value_bytes=max_value_bytes)
+        except TierError as exc:
+            host.close()
+            raise ConfigError(f"--disk {disk_dir}: {exc}") from exc
+        tiers.append(disk)
+    exact = TierPolicy(high_watermark=1.0, low_watermark=1.0)
+    return TieredStore(tiers, Ledger(), LifetimePolicy(), eviction, tier_policies={HOST: exact, DISK: exact},
+                       quotas=quotas, keep_orphans=False)

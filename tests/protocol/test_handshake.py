@@ -1,0 +1,78 @@
+"""The one handshake: the key proves itself without travelling, both ways, and refuses alike."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvport.errors import AuthError
+from kvport.protocol import handshake as hs
+from kvport.protocol.net import is_loopback
+from kvport.protocol.sync import FrameIO
+from kvport.transfer.inproc import pair
+
+KEYS = {"a": b"token-of-a", "open": None}
+
+
+def lookup(who: str) -> tuple[bool, bytes | None]:
+    return (who in KEYS, KEYS.get(who))
+
+
+def run(who: str, key: bytes | None, server_keys=lookup) -> tuple[object, object]:  # type: ignore[no-untyped-def]
+    a, b = pair()
+    out: dict[str, object] = {}
+
+    def server() -> None:
+        try:
+            out["server"] = hs.server_handshake(FrameIO(b), "srv", server_keys, {"page_bytes": 4096})
+        except AuthError as exc:
+            out["server"] = exc
+
+    t = threading.Thread(target=server)
+    t.start()
+    try:
+        client: object = hs.client_handshake(FrameIO(a), who, key, "inst-1")
+    except AuthError as exc:
+        client = exc
+    t.join(5)
+    a.close()
+    b.close()
+    return client, out["server"]
+
+
+def test_the_key_proves_itself_both_ways_and_names_the_client() -> None:
+    client, server = run("a", b"token-of-a")
+    assert isinstance(client, hs.Peer) and client.client == "srv" and client.info == {"page_bytes": 4096}
+    assert isinstance(server, hs.Peer) and (server.who, server.client) == ("a", "inst-1")
+
+
+@pytest.mark.parametrize(("who", "key"), [("a", b"wrong"), ("a", None), ("nobody", b"token-of-a"),
+                                          ("open", b"anything")])
+def test_wrong_missing_or_unknown_is_refused_alike(who: str, key: bytes | None) -> None:
+    client, server = run(who, key)
+    assert isinstance(client, AuthError) and isinstance(server, AuthError)
+    assert str(server) == "authentication failed"  # one message whatever was wrong
+
+
+def test_a_principal_without_a_key_passes_with_an_empty_mac() -> None:
+    client, server = run("open", None)
+    assert isinstance(server, hs.Peer) and server.who == "open"
+
+
+def test_a_mac_is_bound_to_both_nonces_and_the_principal() -> None:
+    ns, nc = b"s" * 32, b"c" * 32
+    mac = hs.client_mac(b"k", ns, nc, "a")
+    assert b"k" not in mac and len(mac) == hs.MAC_BYTES
+    assert mac != hs.client_mac(b"k", b"x" * 32, nc, "a") != hs.client_mac(b"k", ns, nc, "b")
+    assert hs.server_mac(b"k", ns, nc, "a") != mac  # the direction byte: a reflected answer fails
+    assert not is_loopback("0.0.0.0") and is_loopback("127.0.0.1") and is_loopback("::1")
+
+
+def test_a_server_that_does_not_know_the_key_is_caught_by_the_client() -> None:
+    ns, nc = b"s" * 32, b"c" * 32
+    hs.check_welcome(b"k", ns, nc, "a", hs.Welcome("a", hs.server_mac(b"k", ns, nc, "a")))
+    with pytest.raises(AuthError):
+        hs.check_welcome(b"k", ns, nc, "a", hs.Welcome("a", hs.server_mac(b"other", ns, nc, "a")))
+    with pytest.raises(AuthError):
+        hs.check_welcome(b"k", ns, nc, "a", hs.Welcome("a", b""))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from kvport.cli.main import main
 from kvport.codec import get_codec
-from kvport.eval import QualityOptions, evaluate
+from kvport.eval import QualityOptions, evaluate, provenance
 from kvport.eval.texts import windows
 
 
@@ -46,7 +47,17 @@ def test_cli_eval_quality_prints_json(capsys, tmp_path) -> None:  # type: ignore
     assert out == json.loads(path.read_text())
     q = out["codecs"]["mixed"]
     assert q["params"]["sinks"] == 4 and q["ppl_delta_pct_prose"] is not None and q["ratio"] > 1.0
+    assert out["provenance"]["command"] == ("kvport eval quality --codec mixed --tokens 96 --windows 1 "
+                                            "--sets prose --kv-dtype fp32")
     assert main(["eval", "quality", "--codec", "nope", "--tokens", "8"]) == 2
+
+
+def test_provenance_names_the_command_date_and_source() -> None:
+    p = provenance(["eval", "quality", "--codec", "a b"])
+    assert p["command"] == "kvport eval quality --codec 'a b'"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", p["date"])
+    assert p["commit"] is None or re.fullmatch(r"[0-9a-f]{40}", p["commit"])
+    assert all(f.startswith("src/kvport/") for f in p["uncommitted"])
 
 
 def test_text_windows_are_deterministic(model_and_tok) -> None:  # type: ignore[no-untyped-def]

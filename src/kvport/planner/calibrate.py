@@ -11,9 +11,10 @@ Every number is measured here, in this process, as the median of ``trials`` runs
   throttled by a token bucket; latency from one-byte round trips, bandwidth after the latency;
 - tiers: ``host`` (numpy copy between reused buffers) and ``disk`` (cold ``readinto`` after
   ``posix_fadvise(DONTNEED)``);
-- codecs: encode/decode speed and size ratio of each registered lossy/lossless codec on real KV of
-  the model; quality costs are the perplexity deltas measured on this reference model
-  (``QUALITY_COST``, from the codec study), and a codec without one is left out.
+- codecs: encode/decode speed and size ratio of every registered codec but ``raw`` (the plain load)
+  on real KV of the model, at default params; quality costs are read, not measured here: from
+  ``kvport eval quality`` results (:mod:`kvport.planner.quality`; kvport's measured defaults unless
+  the caller passes its own), 0 for lossless codecs, and a codec without one is left out.
 """
 
 from __future__ import annotations
@@ -32,18 +33,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvport.errors import KVPortError, PlanInputError
+from kvport.errors import KVPortError, PlanInputError, ProfileError
 from kvport.planner import hfkv
 from kvport.planner.fit import fit_prefill
 from kvport.planner.profile import CodecCost, Link, LinkKind, PrefillModel, PrefillPoint, Profile, machine_id
+from kvport.planner.quality import QualityTable, default_results
 from kvport.planner.throttle import LoopbackPeer
 from kvport.spec import KVSpec
 
 log = logging.getLogger("kvport.planner.calibrate")
-
-# Relative perplexity increase on SmolLM2-135M (worst of prose / code), measured once by the codec
-# study (shared notes: kv-quant-findings.md); lossless codecs cost nothing by construction.
-QUALITY_COST: dict[str, float] = {"raw": 0.0, "lossless": 0.0, "int8": 0.0008, "kivi4": 0.0328}
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,10 +176,33 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def measure_codecs(k: torch.Tensor, v: torch.Tensor, names: Sequence[str] = ("int8", "kivi4", "lossless"),
+def profiled_codecs() -> tuple[str, ...]:
+    """Codecs a profile measures: every registered one at default params but ``raw`` (the plain load)."""
+    from kvport.codec import codec_ids
+
+    return tuple(n for n in codec_ids() if n != "raw")
+
+
+def codecs_left_out(quality: QualityTable, names: Sequence[str] | None = None) -> dict[str, str]:
+    """Codec name -> why it stays out of the profile: no quality result of its key in ``quality``."""
+    from kvport.codec import codec_ids, codec_key, get_codec
+
+    out: dict[str, str] = {}
+    for name in profiled_codecs() if names is None else names:
+        if name not in codec_ids():
+            out[name] = f"unknown codec {name!r}"
+            continue
+        codec = get_codec(name)
+        if quality.lookup(codec_key(codec), codec.lossless) is None:
+            out[name] = quality.why_missing(codec_key(codec))
+    return out
+
+
+def measure_codecs(k: torch.Tensor, v: torch.Tensor, quality: QualityTable, names: Sequence[str] | None = None,
                    trials: int = 3) -> tuple[CodecCost, ...]:
-    """Speeds of each codec on ``k``/``v`` ((layers, heads, tokens, dim) CPU tensors); unknown ones skipped."""
-    from kvport.codec import KVShape, codec_ids, get_codec
+    """Speeds of each codec on ``k``/``v`` ((layers, heads, tokens, dim) CPU tensors) with its quality
+    cost from ``quality``; unknown codecs and codecs without a quality result are left out."""
+    from kvport.codec import KVShape, codec_ids, codec_key, get_codec
 
     out: list[CodecCost] = []
     shape = KVShape(int(k.shape[0]), int(k.shape[1]), int(k.shape[2]), int(k.shape[3]), _dtype_of(k))
@@ -190,15 +211,20 @@ def measure_codecs(k: torch.Tensor, v: torch.Tensor, names: Sequence[str] = ("in
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # codecs run on one thread (copy path)
     try:
-        for name in names:
-            if name not in codec_ids() or name not in QUALITY_COST:
+        for name in profiled_codecs() if names is None else names:
+            if name not in codec_ids():
+                continue
+            codec = get_codec(name)
+            q = quality.lookup(codec_key(codec), codec.lossless)
+            if q is None:
+                log.info("calibrate: codec %s left out: %s", name, quality.why_missing(codec_key(codec)))
                 continue
             try:
-                t_enc, t_dec, size = _codec_times(get_codec(name), shape, k, v, k_out, v_out, trials)
+                t_enc, t_dec, size = _codec_times(codec, shape, k, v, k_out, v_out, trials)
             except KVPortError as exc:
                 log.warning("calibrate: codec %s skipped: %s", name, exc)
                 continue
-            out.append(CodecCost(name, raw / size, raw / t_enc, raw / t_dec, QUALITY_COST[name], time.time()))
+            out.append(CodecCost(name, raw / size, raw / t_enc, raw / t_dec, q.cost, time.time(), q.source))
     finally:
         torch.set_num_threads(threads)
     return tuple(out)
@@ -235,9 +261,14 @@ def reference_ids(tokenizer: Any, tokens: int) -> torch.Tensor:
 
 def calibrate(model: Any, ids: torch.Tensor, spec: KVSpec, *, plan: PrefillPlan | None = None,
               tier_folder: Path | None = None, link_probe_bytes: int = 32 << 20, tier_bytes: int = 64 << 20,
-              codecs: bool = True, progress: Callable[[str], None] = log.info) -> Profile:
-    """A full profile of this machine for ``model`` (whose KV ``spec`` describes)."""
+              codecs: bool = True, quality: QualityTable | None = None,
+              progress: Callable[[str], None] = log.info) -> Profile:
+    """A full profile of this machine for ``model`` (whose KV ``spec`` describes); codec quality
+    costs from ``quality`` (default: kvport's measured defaults), which must be of ``spec``'s model."""
     plan = plan or PrefillPlan()
+    table = (quality if quality is not None else default_results()) if codecs else None
+    if table is not None and table.model != spec.model_id:  # checked before the long measurements
+        raise ProfileError(f"quality results measured {table.model}, not the profiled {spec.model_id}")
     now = time.time()
     progress("prefill: " + ", ".join(map(str, plan.lengths)) + " tokens")
     pf = prefill_model(model, ids, spec, plan)
@@ -250,12 +281,12 @@ def calibrate(model: Any, ids: torch.Tensor, spec: KVSpec, *, plan: PrefillPlan 
     with LoopbackPeer(link_probe_bytes) as peer:
         links.append(measure_link(peer, "loopback", 0.0, link_probe_bytes))
     costs: tuple[CodecCost, ...] = ()
-    if codecs:
+    if table is not None:
         progress("codecs")
         out, _ = hfkv.forward(model, ids, 0, 256)
         cache = out.past_key_values
         k = torch.stack([layer.keys[0] for layer in cache.layers]).contiguous()
         v = torch.stack([layer.values[0] for layer in cache.layers]).contiguous()
-        costs = measure_codecs(k, v)
+        costs = measure_codecs(k, v, table)
     return Profile(machine=machine_id(), created=now, prefill=pf, links=tuple(links), codecs=costs,
                    install_bps=install)

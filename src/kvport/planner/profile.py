@@ -22,7 +22,7 @@ File layout (``version`` 1)::
      "links": [{"name": "loopback", "kind": "peer", "bandwidth": .., "latency": .., "measured_at": ..,
                 "source": "calibrated"}, ...],
      "codecs": [{"name": "int8", "ratio": .., "encode_bps": .., "decode_bps": .., "quality_cost": ..,
-                 "measured_at": ..}, ...],
+                 "measured_at": .., "quality_source": "<eval result file>: code +0.02%, ..."}, ...],
      "install_bps": .. | null}
 """
 
@@ -132,8 +132,9 @@ class CodecCost:
     ratio: float  # raw bytes / encoded bytes
     encode_bps: float  # raw bytes encoded per second
     decode_bps: float  # raw bytes decoded per second
-    quality_cost: float  # relative perplexity increase (0 for lossless)
+    quality_cost: float  # relative perplexity increase (0 for lossless), see planner.quality
     measured_at: float
+    quality_source: str = ""  # the eval result the quality cost comes from
 
     def __post_init__(self) -> None:
         _finite_pos(f"codec {self.name}.ratio", self.ratio)
@@ -183,7 +184,8 @@ class Profile:
             "links": [{"name": lk.name, "kind": lk.kind.value, "bandwidth": lk.bandwidth, "latency": lk.latency,
                        "measured_at": lk.measured_at, "source": lk.source} for lk in self.links],
             "codecs": [{"name": c.name, "ratio": c.ratio, "encode_bps": c.encode_bps, "decode_bps": c.decode_bps,
-                        "quality_cost": c.quality_cost, "measured_at": c.measured_at} for c in self.codecs],
+                        "quality_cost": c.quality_cost, "measured_at": c.measured_at,
+                        "quality_source": c.quality_source} for c in self.codecs],
             "install_bps": self.install_bps,
         }
 
@@ -206,7 +208,8 @@ class Profile:
                                source=str(lk.get("source", "calibrated"))) for lk in d.get("links", []))
             codecs = tuple(CodecCost(name=str(c["name"]), ratio=c["ratio"], encode_bps=c["encode_bps"],
                                      decode_bps=c["decode_bps"], quality_cost=c["quality_cost"],
-                                     measured_at=float(c["measured_at"])) for c in d.get("codecs", []))
+                                     measured_at=float(c["measured_at"]),
+                                     quality_source=str(c.get("quality_source", ""))) for c in d.get("codecs", []))
             return cls(machine=str(d["machine"]), created=float(d["created"]), prefill=prefill, links=links,
                        codecs=codecs, install_bps=d.get("install_bps"))
         except ProfileError:

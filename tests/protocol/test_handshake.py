@@ -57,7 +57,7 @@ def test_wrong_missing_or_unknown_is_refused_alike(who: str, key: bytes | None) 
 
 def test_a_principal_without_a_key_passes_with_an_empty_mac() -> None:
     client, server = run("open", None)
-    assert isinstance(server, hs.Peer) and server.who == "open"
+    assert isinstance(client, hs.Peer) and isinstance(server, hs.Peer) and server.who == "open"
 
 
 def test_a_mac_is_bound_to_both_nonces_and_the_principal() -> None:

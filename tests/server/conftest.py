@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from kvport.client.remote import RemoteTier
 from kvport.client.conn import ClientConfig
+from kvport.client.remote import RemoteTier
 
 MiB = 1 << 20
 

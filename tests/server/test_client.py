@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvport.errors import BlockNotFoundError, BufferMismatchError
 from kvport.client.remote import Stored
+from kvport.errors import BlockNotFoundError, BufferMismatchError
 from kvport.tiers.base import Tier
 
 from .conftest import MiB

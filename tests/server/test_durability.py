@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvport.errors import TierFullError
 from kvport.client.remote import Stored
+from kvport.errors import TierFullError
 from kvport.protocol.rejects import Rejected, RejectReason
 
 from .conftest import TOKENS, MiB, base_args

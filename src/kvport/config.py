@@ -12,6 +12,7 @@ KVPORT_PROFILE              calibration profile path                            
 KVPORT_REDIS_URL            Redis tier URL                                          (none)
 KVPORT_AUTH_TOKEN           shared secret for non-loopback servers                  (none)
 KVPORT_LOG_LEVEL            logging level                                           WARNING
+KVPORT_TRACE_DIR            folder of benchmark traces (``bench trace``)            <checkout>/../shared/traces
 ==========================  =====================================================  ===========================
 """
 
@@ -35,6 +36,7 @@ class Settings:
     redis_url: str | None = None
     auth_token: str | None = field(default=None, repr=False)
     log_level: str = "WARNING"
+    trace_dir: Path | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -50,6 +52,7 @@ class Settings:
             redis_url=e.get("KVPORT_REDIS_URL") or None,
             auth_token=e.get("KVPORT_AUTH_TOKEN") or None,
             log_level=level,
+            trace_dir=Path(e["KVPORT_TRACE_DIR"]).expanduser() if e.get("KVPORT_TRACE_DIR") else None,
         )
 
 

@@ -2,8 +2,14 @@ import json
 
 import pytest
 
-from kvport.bench.trace import belady, default_trace, replay
+from kvport.bench import trace
+from kvport.bench.trace import TRACE_NAME, belady, default_trace, find_trace, replay
 from kvport.cli.main import main
+from kvport.config import Settings
+from kvport.errors import UserInputError
+
+ROWS = [{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [0, 1]},
+        {"timestamp": 1, "input_length": 1024, "output_length": 1, "hash_ids": [0, 2]}]
 
 
 def test_trace_suite_on_a_small_trace_file(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -57,9 +63,52 @@ def test_replay_counts_prefix_hits_only_and_belady_is_an_upper_bound() -> None:
             assert belady(reqs, cap) >= replay(reqs, cap, policy)["hit_rate"]
 
 
-@pytest.mark.skipif(default_trace() is None, reason="the Mooncake trace is not in ../shared/traces")
+@pytest.mark.skipif(default_trace() is None, reason="no Mooncake trace (KVPORT_TRACE_DIR or ../shared/traces)")
 def test_quick_default_trace_runs(capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["bench", "trace", "--quick"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["conditions"]["requests"] == 1500
     assert 0 <= rep["results"]["hit_rate"] <= rep["results"]["optimal_hit_rate"] <= 1
+
+
+def _write_trace(path):  # type: ignore[no-untyped-def]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    return path
+
+
+def test_trace_is_found_by_flag_then_setting_then_checkout(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    flag = _write_trace(tmp_path / "flag.jsonl")
+    setting = _write_trace(tmp_path / "setting" / TRACE_NAME)
+    checkout = _write_trace(tmp_path / "checkout" / TRACE_NAME)
+    monkeypatch.setattr(trace, "checkout_traces", lambda: checkout.parent)
+    with_dir = Settings.from_env({"KVPORT_TRACE_DIR": str(setting.parent)})
+    without = Settings.from_env({})
+    assert find_trace(str(flag), with_dir) == flag
+    assert find_trace(None, with_dir) == setting
+    assert find_trace(None, without) == checkout
+    assert default_trace(without) == checkout
+
+
+def test_cli_reads_the_trace_folder_setting(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    path = _write_trace(tmp_path / TRACE_NAME)
+    monkeypatch.setenv("KVPORT_TRACE_DIR", str(tmp_path))
+    assert main(["bench", "trace", "--capacity", "2"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["conditions"]["trace"] == str(path) and rep["conditions"]["requests"] == 2
+
+
+def test_missing_trace_is_one_line_naming_the_options(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("KVPORT_TRACE_DIR", raising=False)
+    monkeypatch.setattr(trace, "checkout_traces", lambda: tmp_path / "nothing")
+    with pytest.raises(UserInputError, match="--trace PATH or set KVPORT_TRACE_DIR"):
+        find_trace(None, Settings.from_env({}))
+    assert default_trace(Settings.from_env({})) is None
+    assert main(["bench", "trace"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--trace" in err and "KVPORT_TRACE_DIR" in err
+    # a trace folder named explicitly must hold the trace: no silent fall-through to the checkout's
+    monkeypatch.setenv("KVPORT_TRACE_DIR", str(tmp_path))
+    assert main(["bench", "trace"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"KVPORT_TRACE_DIR={tmp_path}" in err

@@ -1,6 +1,9 @@
 """``kvport bench trace [--trace PATH] [--capacity SIZE]``: replay a Mooncake trace through the
 store's placement and eviction objects and compare the hit rate with the offline optimum.
 
+The trace: ``--trace PATH``, else ``mooncake_conversation_trace.jsonl`` in ``$KVPORT_TRACE_DIR``,
+else in ``../shared/traces`` beside the source checkout (:func:`find_trace`).
+
 Replay: each request's ``hash_ids`` are its chained block keys (512 tokens a block). Only full
 blocks are keyed (``input_length // 512`` of them), as :func:`kvport.keys.chain_keys` does. For
 each request: ``hits`` = the longest prefix present (a block counts only with its whole prefix,
@@ -37,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kvport.bench.harness import Report, SuiteOptions, conditions, finish, ratio
+from kvport.config import Settings
 from kvport.errors import UserInputError
 from kvport.spec import from_preset
 from kvport.store.eviction import DEFAULT_POLICY, POLICIES, make_policy
@@ -47,12 +51,37 @@ TRACE_NAME = "mooncake_conversation_trace.jsonl"
 TRACE_BLOCK_TOKENS = 512
 
 
-def default_trace() -> Path | None:
-    """../shared/traces relative to the repository root, else /work/shared/traces."""
-    here = Path(__file__).resolve()
-    candidates = [p / "shared" / "traces" / TRACE_NAME for p in here.parents]
-    candidates.append(Path("/work/shared/traces") / TRACE_NAME)
-    return next((c for c in candidates if c.is_file()), None)
+def checkout_traces() -> Path | None:
+    """``<checkout>/../shared/traces`` when kvport runs from a source checkout (src layout), else None."""
+    root = Path(__file__).resolve().parents[3]  # <checkout>/src/kvport/bench/trace.py
+    return root.parent / "shared" / "traces" if (root / "pyproject.toml").is_file() else None
+
+
+def find_trace(given: str | Path | None = None, settings: Settings | None = None) -> Path:
+    """The trace to replay: ``given`` (``--trace``), else :data:`TRACE_NAME` in ``settings.trace_dir``
+    (``$KVPORT_TRACE_DIR``), else in :func:`checkout_traces`. The first option set is the one used (a
+    ``--trace`` or a trace folder that lacks the file is an error, not a fall-through)."""
+    if given is not None and str(given):
+        return Path(given)
+    s = settings if settings is not None else Settings.from_env()
+    if s.trace_dir is not None:
+        path = s.trace_dir / TRACE_NAME
+        if not path.is_file():
+            raise UserInputError(f"KVPORT_TRACE_DIR={s.trace_dir} holds no {TRACE_NAME}: pass --trace PATH")
+        return path
+    folder = checkout_traces()
+    if folder is None or not (folder / TRACE_NAME).is_file():
+        where = f"not in {folder}" if folder is not None else "no checkout's ../shared/traces to look in"
+        raise UserInputError(f"no trace: pass --trace PATH or set KVPORT_TRACE_DIR ({TRACE_NAME} {where})")
+    return folder / TRACE_NAME
+
+
+def default_trace(settings: Settings | None = None) -> Path | None:
+    """:func:`find_trace` without ``--trace``, or None where it finds no trace."""
+    try:
+        return find_trace(None, settings)
+    except UserInputError:
+        return None
 
 
 def load_trace(path: Path, limit: int | None = None) -> list[list[int]]:
@@ -166,9 +195,7 @@ def sweep(reqs: Sequence[Sequence[int]], fractions: Sequence[float] = (0.05, 0.1
 
 def run(opts: SuiteOptions) -> Report:
     given = opts.extra.get("trace")
-    path = Path(str(given)) if given else default_trace()
-    if path is None:
-        raise UserInputError(f"no trace given and {TRACE_NAME} not found under ../shared/traces")
+    path = find_trace(str(given) if given else None)
     limit = int(opts.extra.get("requests", 1500 if opts.quick else 0)) or None
     reqs = load_trace(path, limit)
     distinct = len({h for r in reqs for h in r})

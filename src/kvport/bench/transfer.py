@@ -22,6 +22,12 @@ Fair comparisons (same process layout, same bytes, same buffers, trials interlea
   here has no transparent huge pages). The unregistered path (copy in, copy out through the ring)
   is reported as ``shm_ring_copy_*``.
 * Ideal lower bound: size / raw bandwidth (the calculator's transfer time) beside the measured time.
+* Layer-wise overlap (``results.layerwise``, :func:`kvport.transfer.loadtest.layerwise_overlap`): the
+  producer's compute is the reference model's real decoder-layer forward of a 2048-token prompt
+  (``--quick``: 256; ``--set layerwise_tokens=N``), fp32 on the suite's one torch thread, each layer's
+  KV sent while the next computes, over a link balanced against the measured layer compute.
+  ``--set compute=sleep`` runs the stand-in (25 ms sleeps); ``results.layerwise.compute`` and
+  ``conditions.layerwise_compute`` say which ran.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import multiprocessing as mp
 import socket
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,11 +45,13 @@ import numpy as np
 from kvport import memops
 from kvport.bench.harness import Report, SuiteOptions, conditions, finish, gbps, ratio
 from kvport.bench.limits import memcpy_gbps, raw_socket_gbps
-from kvport.spec import KVSpec, from_preset
+from kvport.config import Settings
+from kvport.errors import UserInputError
+from kvport.spec import DType, KVSpec, from_hf_config, from_preset
 from kvport.transfer import BlockTableDestination, Receiver, Sender, TransferMeta
 from kvport.transfer import shm as shm_mod
 from kvport.transfer import tcp as tcp_mod
-from kvport.transfer.loadtest import layerwise_overlap, overload
+from kvport.transfer.loadtest import SleepCompute, layerwise_overlap, overload
 
 _RAW_CHUNK = 4 << 20
 _FRAME = 4 << 20  # TCP LAYER frames: the raw baseline's sendall size
@@ -215,6 +223,84 @@ def _shm(nbytes: int, trials: int) -> dict[str, Any]:
             "memcpy_trials_s": times["memcpy"]}
 
 
+# ---------------------------------------------------------------------- layer-wise overlap
+_LAYERWISE_TOKENS = 2048  # the full run's prompt; --quick: 256
+
+
+class ModelLayerCompute:
+    """The reference model's real layer compute for :func:`layerwise_overlap`: one fp32 prefill of a
+    real prompt on the current torch threads; a forward hook after each decoder layer copies that
+    layer's K/V from the ``DynamicCache`` into LKHTD blocks (as the demo's prefill worker does) and
+    hands them on while the next layer computes. A layer's time runs from the end of the previous
+    hand-off (the embedding counts in layer 0) to the end of its copy."""
+
+    def __init__(self, model: Any, spec: KVSpec, ids: Any, name: str) -> None:
+        tokens = int(ids.shape[1])
+        if tokens % spec.block_size:
+            raise UserInputError(f"layer-wise prompt of {tokens} tokens is not whole blocks of {spec.block_size}")
+        self.model, self.spec, self.ids = model, spec, ids
+        self.n_blocks = tokens // spec.block_size
+        self._buf = np.zeros(self.n_blocks * spec.bytes_per_block, dtype=np.uint8)
+        self._rows = self._buf.reshape(self.n_blocks, spec.bytes_per_block)
+        import torch
+
+        n = torch.get_num_threads()
+        self.description = (f"{name} layer forward, {tokens} tokens (fp32, {n} torch thread{'s' * (n != 1)}, "
+                            f"each layer's KV copied into LKHTD blocks)")
+
+    def run(self, on_layer: Callable[[int, Sequence[memoryview]], None]) -> list[float]:
+        import torch
+        from transformers import DynamicCache
+
+        from kvport.planner.hfkv import block_view
+
+        spec, nb = self.spec, self.n_blocks
+        h, bs, d, lb = spec.kv_heads_per_rank, spec.block_size, spec.head_dim, spec.bytes_per_layer_block
+        blocks = block_view(self._buf, spec, nb)
+        cache = DynamicCache(config=self.model.config)
+        times: list[float] = []
+        mark = [0.0]
+
+        def hook(i: int) -> Callable[..., None]:
+            def after_layer(_module: Any, _args: Any, _out: Any) -> None:
+                lyr = cache.layers[i]
+                for kv, t in ((0, lyr.keys), (1, lyr.values)):
+                    blocks[:, i, kv].copy_(t[0].reshape(h, nb, bs, d).permute(1, 0, 2, 3))
+                times.append(time.perf_counter() - mark[0])
+                on_layer(i, [self._rows[j, i * lb : (i + 1) * lb].data for j in range(nb)])
+                mark[0] = time.perf_counter()
+
+            return after_layer
+
+        handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(self.model.model.layers)]
+        try:
+            with torch.inference_mode():
+                mark[0] = time.perf_counter()
+                self.model(self.ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        finally:
+            for hd in handles:
+                hd.remove()
+        return times
+
+
+def _layerwise(opts: SuiteOptions) -> dict[str, Any]:
+    """``--set compute=model`` (default): the reference model's layers; ``compute=sleep``: the stand-in."""
+    kind = str(opts.extra.get("compute", "model"))
+    if kind == "sleep":
+        return layerwise_overlap(SleepCompute(8 if opts.quick else 16, 0.025), layer_transfer_s=0.025)
+    if kind != "model":
+        raise UserInputError(f"--set compute={kind}: expected model or sleep")
+    from kvport.planner.calibrate import reference_ids
+    from kvport.refmodel import MODEL_ID, load
+
+    model_dir = Settings.from_env().model_dir
+    model, tok = load(model_dir)
+    spec = from_hf_config(model_dir, dtype=DType.FP32, model_id=MODEL_ID)
+    tokens = int(opts.extra.get("layerwise_tokens", 256 if opts.quick else _LAYERWISE_TOKENS))
+    compute = ModelLayerCompute(model, spec, reference_ids(tok, tokens), "smollm2-135m")
+    return layerwise_overlap(compute)
+
+
 def run(opts: SuiteOptions) -> Report:
     import torch
 
@@ -265,8 +351,9 @@ def run(opts: SuiteOptions) -> Report:
                      "trials_s": [round(x, 4) for x in sh["shm_trials_s"]],
                      "hash_at_send_trials_s": [round(x, 4) for x in sh["hash_at_send_trials_s"]],
                      "memcpy_trials_s": [round(x, 4) for x in sh["memcpy_trials_s"]]},
-        "layerwise": layerwise_overlap(quick=opts.quick),
+        "layerwise": _layerwise(opts),
     }
+    cond["layerwise_compute"] = results["layerwise"]["compute"]
     ov_s = None if overload_s is None else float(overload_s)
     results["overload"] = overload(backpressure=True, quick=opts.quick, duration_s=ov_s)
     results["overload_no_backpressure"] = overload(backpressure=False, quick=opts.quick, duration_s=ov_s)

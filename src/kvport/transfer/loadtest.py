@@ -30,13 +30,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvport.errors import PeerError, TierFullError, TransferError
+from kvport.protocol.transport import Transport
 from kvport.spec import DType, KVSpec
 from kvport.transfer.credits import Backpressure, Rejected
 from kvport.transfer.meta import TransferMeta
+from kvport.transfer.ratelimit import RateLimited, TokenBucket
 from kvport.transfer.receiver import Incoming, Receiver
 from kvport.transfer.sender import LayerStreamer, Sender
 from kvport.transfer.tcp import TcpTransport, tune
-from kvport.transfer.transport import RateLimited, TokenBucket, Transport
 
 
 def scenario_spec(num_layers: int = 4) -> KVSpec:

@@ -1,55 +1,108 @@
-"""Receiver: checks compatibility before any payload, receives straight into destination buffers,
-links blocks only after every checksum passed, and grants credits from its free buffer space.
+"""Receiver: checks compatibility and the sender's owner before any payload, receives straight into
+destination buffers, links blocks only after every (block, layer) was verified exactly once, and
+grants credits from its free buffer space.
 
 One serve loop per connection (:meth:`Receiver.serve`, or a thread via :meth:`start`) handles::
 
-    TRANSFER_BEGIN  parse + check_compatible -> REFUSE {field} | destination(meta) -> ACCEPT {budget, grant}
-    LAYER           views = destination.view(b, layer) -> recv_into(views) -> verify -> layer/block counts
-    TRANSFER_END    all (block, layer) verified -> destination.commit() -> COMMITTED, else abort
+    TRANSFER_BEGIN  decode -> sender owner a known peer? -> check_compatible -> REFUSE {error}
+                    | destination(meta) -> ACCEPT {budget, grant, owner}
+    LAYER           (block, layer) already arrived? -> abort (ProtocolError, payload drained)
+                    views = destination.view(b, layer) -> recv_into(views) -> verify -> set bits
+    TRANSFER_END    every (block, layer) bit set -> ledger.acquire -> destination.commit()
+                    -> COMMITTED {owner}, else abort
     TRANSFER_ABORT  destination.abort(), bytes released (credits returned)
 
+Completeness is a bitmap per transfer, not a count: ``arrived[layer, block]`` is set when a LAYER
+frame naming that block-layer is accepted (a second frame for it is a duplicate: the transfer
+aborts, whatever its bytes), ``verified[layer, block]`` once its chunk passed its checksum (and, on
+a codec link, decoded). A transfer commits only when every bit of ``verified`` is set::
+
+    verified  (layers x blocks, numpy bool)      layer_ready(l) = verified[l].all()
+              b0 b1 b2 b3 ...                    complete       = count == layers * blocks
+      l0   [   1  1  1  1  ]
+      l1   [   1  1  0  0  ]  <- a LAYER frame sets verified[l, b0 : b0 + n] in one slice
+
 Incoming state: RECEIVING -> COMMITTED | ABORTED (:meth:`Incoming._finish` is the one place that
-moves it; a second move raises). Any failure -- checksum, protocol, lost blocks, EOF or reset from the
-sender -- aborts the destination (no partial block linked), releases the transfer's bytes, wakes
-``wait_for_layer`` waiters with the typed error and tells the sender when the connection still works.
+moves it; a second move raises). Any failure -- checksum, duplicate, protocol, lost blocks, a second
+owner, EOF or reset from the sender -- aborts the destination (no partial block linked), releases
+the transfer's bytes, wakes ``wait_for_layer`` waiters with the typed error and tells the sender when
+the connection still works.
+
+With a ledger (``Receiver(ledger=, owner=, peers=)``) a commit is a recorded hand-off: the sender's
+owner must be a known peer (else REFUSE with UnknownPeerError), blocks this ledger already owns are
+refused (IllegalMoveError), and at TRANSFER_END the ledger records ACQUIRE(owner, from=sender owner,
+the sender's ``ledger_tid``) before the destination links anything; a commit that then fails forgets
+the acquired keys. A load is complete, verified and owned, or nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import queue
 import threading
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from kvport.errors import (
     BufferMismatchError,
     ChecksumError,
     CodecError,
+    ConfigError,
     IllegalMoveError,
     KVPortError,
+    OwnershipError,
     PeerError,
     ProtocolError,
     TierError,
     TierFullError,
     TransferError,
+    UnknownPeerError,
 )
+from kvport.ledger.states import Owner
 from kvport.metrics import counter
+from kvport.protocol.errors import error_meta
+from kvport.protocol.frame import DEFAULT_LIMITS, FrameHeader, Limits, MsgType
+from kvport.protocol.schema import Message
+from kvport.protocol.sync import FrameIO
+from kvport.protocol.transfer import (
+    Credit,
+    LayerHead,
+    TransferAbort,
+    TransferAccept,
+    TransferBegin,
+    TransferCommitted,
+    TransferEnd,
+    TransferRefuse,
+    tid_of,
+)
+from kvport.protocol.transport import Transport
 from kvport.spec import KVSpec
 from kvport.transfer.credits import Backpressure, CreditPool
 from kvport.transfer.destination import Destination, DestinationFactory
-from kvport.transfer.framing import FrameIO
 from kvport.transfer.meta import TransferMeta, check_compatible
 from kvport.transfer.sender import OUTCOMES
-from kvport.transfer.transport import Transport
-from kvport.transfer.wire import DEFAULT_LIMITS, FrameHeader, Limits, MsgType, error_meta
 
 if TYPE_CHECKING:
+    from kvport.ledger import Ledger
     from kvport.transfer.linkcodec import LinkCodec
 
 RECV_BYTES = counter("transfer_received_bytes_total", "KV payload bytes received", ["transport"])
 LOST_BLOCKS = counter("transfer_lost_blocks_total", "Blocks dropped for want of a buffer (backpressure off)")
+
+
+def _transfer_error(err: KVPortError) -> KVPortError:
+    """What a failed transfer reports, here and to the sender: a tier's error (no buffer, a buffer
+    that does not fit) is the transfer's failure, caused by it; transfer and ownership errors are
+    reported as they are."""
+    if isinstance(err, TierError):
+        out = TransferError(f"{type(err).__name__}: {err}")
+        out.__cause__ = err
+        return out
+    return err
 
 
 class InState(enum.Enum):
@@ -59,22 +112,31 @@ class InState(enum.Enum):
 
 
 class Incoming:
-    """One transfer as the receiver sees it; decode engines wait on its layers."""
+    """One transfer as the receiver sees it; decode engines wait on its layers.
 
-    def __init__(self, tid: int, meta: TransferMeta, dest: Destination, link: LinkCodec | None = None) -> None:
+    ``peer``: the sender's ledger owner and ``ledger_tid`` its transfer id (None / "" without
+    ledgers). ``error``: why it aborted -- a TransferError, or an OwnershipError when the ledgers
+    disagree (unknown peer, a second owner)."""
+
+    def __init__(self, tid: int, meta: TransferMeta, dest: Destination, link: LinkCodec | None = None,
+                 peer: Owner | None = None, ledger_tid: str = "") -> None:
         self.tid, self.meta, self.dest = tid, meta, dest
+        self.peer, self.ledger_tid = peer, ledger_tid
         self.state = InState.RECEIVING
-        self.error: TransferError | None = None
+        self.error: KVPortError | None = None
         self.bytes_received = 0
         self.bytes_held = 0  # received, not yet released to the credit pool
         self.lost_blocks: set[int] = set()
-        self._layer_blocks = {layer: 0 for layer in meta.layers}  # verified blocks per layer
+        shape = (len(meta.layers), meta.n_blocks)
+        self._arrived = np.zeros(shape, dtype=np.bool_)  # a LAYER frame named it (duplicates abort)
+        self._verified = np.zeros(shape, dtype=np.bool_)  # its chunk passed its checksum (and decoded)
+        self._n_verified = 0
         self._cond = threading.Condition()
         self.t_begin = time.monotonic()
         self.t_done: float | None = None
         self.link = link  # the link's codec (None: raw block-layers)
 
-    def _finish(self, to: InState, error: TransferError | None = None) -> bool:
+    def _finish(self, to: InState, error: KVPortError | None = None) -> bool:
         with self._cond:
             if self.state is not InState.RECEIVING:
                 if to is InState.ABORTED and self.state is InState.ABORTED:
@@ -84,22 +146,40 @@ class Incoming:
             self._cond.notify_all()
             return True
 
-    def _arrived(self, layer: int, n_blocks: int) -> None:
+    def _claim(self, layer: int, b0: int, n: int) -> bool:
+        """Mark blocks ``b0 .. b0+n-1`` of ``layer`` as arriving; False when one of them already did."""
+        row = self._arrived[layer - self.meta.layer_lo, b0 : b0 + n]
+        if row.any():
+            return False
+        row[:] = True
+        return True
+
+    def _verified_run(self, layer: int, b0: int, ok: np.ndarray) -> None:
+        """Chunks of one LAYER frame passed their checks: ``ok[j]`` for block ``b0 + j``."""
         with self._cond:
-            self._layer_blocks[layer] += n_blocks
+            row = self._verified[layer - self.meta.layer_lo, b0 : b0 + ok.size]
+            row |= ok  # never set twice: _claim refused every (block, layer) a second time
+            self._n_verified += int(np.count_nonzero(ok))
             self._cond.notify_all()
 
+    @property
+    def verified(self) -> np.ndarray:
+        """A copy of the bitmap: ``[layer - layer_lo, block]`` True once that chunk was verified."""
+        with self._cond:
+            return self._verified.copy()
+
     def layer_ready(self, layer: int) -> bool:
-        return self._layer_blocks.get(layer, -1) == self.meta.n_blocks
+        li = layer - self.meta.layer_lo
+        return 0 <= li < self._verified.shape[0] and bool(self._verified[li].all())
 
     @property
     def complete(self) -> bool:
-        return all(n == self.meta.n_blocks for n in self._layer_blocks.values())
+        return self._n_verified == self._verified.size
 
     def wait_for_layer(self, layer: int, timeout: float | None = None) -> None:
         """Return once every block's ``layer`` arrived and passed its checksum; raise the transfer's
         error if it aborts first, PeerError on timeout."""
-        if layer not in self._layer_blocks:
+        if layer not in self.meta.layers:
             raise TransferError(f"layer {layer} is not part of transfer {self.tid} ({self.meta.layers})")
         with self._cond:
             ok = self._cond.wait_for(lambda: self.layer_ready(layer) or self.state is not InState.RECEIVING,
@@ -123,10 +203,19 @@ class Incoming:
 class Receiver:
     def __init__(self, transport: Transport, spec: KVSpec, destinations: DestinationFactory, budget_bytes: int,
                  bp: Backpressure | None = None, limits: Limits = DEFAULT_LIMITS, codecs: Iterable[str] = ("raw",),
-                 auto_release: bool = True) -> None:
+                 auto_release: bool = True, ledger: Ledger | None = None, owner: Owner | None = None,
+                 peers: Iterable[Owner] = ()) -> None:
         """``auto_release``: bytes are released as soon as they landed and verified (the destination is
         the caller's own memory; credits then bound bytes in flight); otherwise the consumer calls
-        :meth:`release` once it has freed committed KV (credits then bound the buffer it holds)."""
+        :meth:`release` once it has freed committed KV (credits then bound the buffer it holds).
+
+        ``ledger`` / ``owner``: record each commit as ``owner`` acquiring the blocks from the sender's
+        owner, which must be one of ``peers`` (added to the ledger) or already a peer of it."""
+        if ledger is not None and owner is None:
+            raise ConfigError("a Receiver with a ledger needs its owner")
+        peers = tuple(peers)
+        if peers and ledger is None:
+            raise ConfigError("peers are known to a ledger: pass ledger= with them")
         self.t = transport
         self.io = FrameIO(transport, limits)
         self.spec = spec
@@ -135,6 +224,9 @@ class Receiver:
         self.pool = CreditPool(budget_bytes, self.bp)
         self.codecs = tuple(codecs)
         self.auto_release = auto_release
+        self.ledger, self.owner = ledger, owner
+        for p in peers:
+            ledger.add_peer(p)  # type: ignore[union-attr]  # checked above
         self.incoming: queue.Queue[Incoming] = queue.Queue()
         self.current: Incoming | None = None
         self.error: TransferError | None = None
@@ -144,6 +236,10 @@ class Receiver:
         self._wlock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.closed = threading.Event()
+
+    @property
+    def _owner_name(self) -> str:
+        return "" if self.owner is None else str(self.owner)
 
     # ------------------------------------------------------------------ API
     def start(self) -> threading.Thread:
@@ -164,7 +260,7 @@ class Receiver:
         """The consumer freed ``nbytes`` of received KV: grant them back to the sender."""
         grant = self.pool.release(nbytes)
         if grant is not None and self.bp.enabled:
-            self._send(MsgType.CREDIT, {"grant": grant})
+            self._send(Credit(grant))
 
     def close(self) -> None:
         self.t.close()
@@ -185,50 +281,83 @@ class Receiver:
             if self.current is not None and self.current.state is InState.RECEIVING:
                 self._abort(self.current, err, tell_sender=not isinstance(exc, PeerError))
             if isinstance(exc, ProtocolError):
-                self._send(MsgType.ERROR, error_meta(exc))
+                self._send_raw(MsgType.ERROR, error_meta(exc))
         finally:
             self.closed.set()
             self.t.close()
 
-    def _send(self, mtype: MsgType, meta: dict[str, object]) -> None:
+    def _send(self, msg: Message) -> None:
+        self._send_raw(msg.TYPE, msg.to_meta())
+
+    def _send_raw(self, mtype: MsgType, meta: dict[str, Any]) -> None:
         try:
             with self._wlock:
                 self.io.send(mtype, meta)
         except TransferError:
             pass  # the sender is gone; the serve loop sees EOF and aborts
 
-    def _dispatch(self, hdr: FrameHeader, m: dict[str, object]) -> None:
+    def _dispatch(self, hdr: FrameHeader, m: dict[str, Any]) -> None:
+        """Decode the peer's message (ProtocolError on a bad field) and hand it to its handler."""
         mt = hdr.msg_type
         if mt is MsgType.LAYER:
-            self._on_layer(hdr, m)
+            self._on_layer(hdr, LayerHead.from_meta(m))
             return
         if hdr.payload_len:
             raise ProtocolError(f"{mt.name} frames carry no payload")
         if mt is MsgType.TRANSFER_BEGIN:
-            self._on_begin(m)
+            try:
+                begin = TransferBegin.from_meta(m)
+            except ProtocolError as exc:  # refused (the sender may match it by tid), then the connection ends
+                tid = tid_of(m)
+                if tid is not None:
+                    self._refuse(tid, exc)
+                raise
+            self._on_begin(begin)
         elif mt is MsgType.TRANSFER_END:
-            self._on_end(m)
+            self._on_end(TransferEnd.from_meta(m))
         elif mt is MsgType.TRANSFER_ABORT:
-            cur = self._cur(m)
+            abort = TransferAbort.from_meta(m)
+            cur = self._cur(abort.tid)
             if cur is not None:
-                self._abort(cur, TransferError(f"sender aborted: {m.get('message', '')}"), tell_sender=False)
+                self._abort(cur, abort.error, tell_sender=False)
         elif mt is not MsgType.PING:
             raise ProtocolError(f"unexpected {mt.name} on a transfer connection")
 
-    def _cur(self, m: dict[str, object]) -> Incoming | None:
+    def _cur(self, tid: int) -> Incoming | None:
         cur = self.current
-        if cur is None or m.get("tid") != cur.tid:
+        if cur is None or tid != cur.tid:
             return None
         return cur
 
-    def _on_begin(self, m: dict[str, object]) -> None:
-        tid = m.get("tid")
-        if not isinstance(tid, int):
-            raise ProtocolError("TRANSFER_BEGIN without an int tid")
+    def _refuse(self, tid: int, exc: KVPortError) -> None:
+        OUTCOMES.labels(role="receiver", outcome="refused").inc()
+        self.refusals.append(exc)
+        self._send(TransferRefuse(tid, _transfer_error(exc)))
+
+    def _sender_owner(self, begin: TransferBegin) -> Owner | None:
+        """The sender's owner, a known peer of our ledger (None without a ledger)."""
+        if self.ledger is None:
+            return None
+        try:
+            peer = Owner.parse(begin.owner)
+        except IllegalMoveError as exc:
+            raise UnknownPeerError(f"sender owner {begin.owner[:80]!r} is not a known peer of this receiver") from exc
+        if peer not in self.ledger.peers:
+            raise UnknownPeerError(f"{peer} is not a known peer of this receiver's ledger")
+        if not begin.ledger_tid:
+            raise ProtocolError(f"TRANSFER_BEGIN {begin.tid} from {peer} names no ledger_tid")
+        owned = [k for k in begin.transfer.block_keys if self.ledger.knows(k)]  # once per transfer
+        if owned:
+            raise IllegalMoveError(f"{len(owned)} of the blocks already have an owner here "
+                                   f"(first {owned[0].hex()}): a transfer does not make a second owner")
+        return peer
+
+    def _on_begin(self, begin: TransferBegin) -> None:
+        tid, meta = begin.tid, begin.transfer
         if self.current is not None and self.current.state is InState.RECEIVING:
             raise ProtocolError(f"TRANSFER_BEGIN {tid} while {self.current.tid} is open")
         try:
-            meta = TransferMeta.from_wire(dict(m))
+            peer = self._sender_owner(begin)
             check_compatible(self.spec, meta, self.codecs)
             link = None
             if meta.codec_id != "raw":  # the codecs (torch, numba) load only when a link uses one
@@ -239,60 +368,68 @@ class Receiver:
                 raise TierFullError(f"one block-layer ({meta.block_layer_bytes} B) exceeds the budget "
                                     f"({self.pool.budget} B)")
             dest = self.destinations(meta)
-        except (TransferError, TierError, BufferMismatchError) as exc:
-            OUTCOMES.labels(role="receiver", outcome="refused").inc()
-            self.refusals.append(exc)
-            self._send(MsgType.TRANSFER_REFUSE, {"tid": tid, **error_meta(exc)})
+        except (TransferError, TierError, BufferMismatchError, OwnershipError) as exc:
+            self._refuse(tid, exc)
             if isinstance(exc, ProtocolError):
                 raise
             return
-        inc = Incoming(tid, meta, dest, link)
+        inc = Incoming(tid, meta, dest, link, peer, begin.ledger_tid)
         self.current = inc
         self.incoming.put(inc)
-        self._send(MsgType.TRANSFER_ACCEPT, {"tid": tid, "budget": self.pool.budget,
-                                             "grant": self.pool.announced_total})
+        self._send(TransferAccept(tid, self.pool.budget, self.pool.announced_total, self._owner_name))
 
-    def _on_layer(self, hdr: FrameHeader, m: dict[str, object]) -> None:
-        cur = self._cur(m)
-        layer, b0 = m.get("layer"), m.get("b0")
+    def _drain(self, hdr: FrameHeader) -> None:
+        """A payload nobody will keep (late frames of an aborted transfer, a duplicate): read through
+        the scratch buffer, its bytes granted back."""
+        self.pool.on_received(hdr.payload_len)
+        self.io.skip_payload(hdr, self._scratch)
+        self.release(hdr.payload_len)
+
+    def _on_layer(self, hdr: FrameHeader, head: LayerHead) -> None:
+        cur = self._cur(head.tid)
         if cur is None or cur.state is not InState.RECEIVING:
-            self.pool.on_received(hdr.payload_len)  # late frames of an aborted transfer: drain, release
-            self.io.skip_payload(hdr, self._scratch)
-            self.pool.release(hdr.payload_len)
+            self._drain(hdr)
             return
         meta = cur.meta
-        if not isinstance(layer, int) or not isinstance(b0, int) or layer not in meta.layers or b0 < 0 \
-                or b0 + hdr.n_chunks > meta.n_blocks or hdr.chunk_size != meta.block_layer_bytes \
-                or hdr.payload_len != hdr.n_chunks * meta.block_layer_bytes:
-            raise ProtocolError(f"LAYER frame (layer={layer}, b0={b0}, chunks={hdr.n_chunks}, "
+        layer, b0, n = head.layer, head.b0, hdr.n_chunks
+        if layer not in meta.layers or b0 + n > meta.n_blocks or hdr.chunk_size != meta.block_layer_bytes \
+                or hdr.payload_len != n * meta.block_layer_bytes:
+            raise ProtocolError(f"LAYER frame (layer={layer}, b0={b0}, chunks={n}, "
                                 f"chunk={hdr.chunk_size}) does not fit transfer {cur.tid}")
+        if not cur._claim(layer, b0, n):  # nothing of it lands: verified bytes are never overwritten
+            self._abort(cur, ProtocolError(f"transfer {cur.tid}: a LAYER frame repeats blocks of layer {layer} "
+                                           f"in [{b0}, {b0 + n}): every block-layer must arrive exactly once"))
+            self._drain(hdr)
+            return
         self.pool.on_received(hdr.payload_len)
         cur.bytes_received += hdr.payload_len
         cur.bytes_held += hdr.payload_len
-        views: list[memoryview] = []
         lost: list[int] = []
         if cur.link is not None:  # encoded chunks land in a scratch buffer, decoded once verified
             bad, lost = self._read_encoded(cur, cur.link, hdr, layer, b0)
         else:
-            for i in range(b0, b0 + hdr.n_chunks):
+            views: list[memoryview] = []
+            for i in range(b0, b0 + n):
                 try:
                     views.append(cur.dest.view(i, layer))
                 except TierFullError:
-                    lost.append(i)
+                    lost.append(i - b0)
                     views.append(self._scratch[: meta.block_layer_bytes] if meta.block_layer_bytes <= 1 << 20
                                  else memoryview(bytearray(meta.block_layer_bytes)))
             bad = self.io.read_payload_into(hdr, views)
         RECV_BYTES.labels(transport=self.t.name).inc(hdr.payload_len)
+        ok = np.ones(n, dtype=np.bool_)
         if lost:
             LOST_BLOCKS.inc(len(lost))
-            cur.lost_blocks.update(lost)
-        bad = [i for i in bad if b0 + i not in lost]
+            cur.lost_blocks.update(b0 + j for j in lost)
+            ok[lost] = False
+        bad = [j for j in bad if ok[j]]
         if bad:
             what = "checksum" if cur.link is None else "checksum or did not decode"
             self._abort(cur, ChecksumError(f"transfer {cur.tid}: layer {layer} blocks "
-                                           f"{[b0 + i for i in bad]} failed their {what}"))
+                                           f"{[b0 + j for j in bad]} failed their {what}"))
             return
-        cur._arrived(layer, hdr.n_chunks)
+        cur._verified_run(layer, b0, ok)
         if self.auto_release:
             cur.bytes_held -= hdr.payload_len
             self.release(hdr.payload_len)
@@ -300,7 +437,8 @@ class Receiver:
     def _read_encoded(self, cur: Incoming, link: LinkCodec, hdr: FrameHeader, layer: int,
                       b0: int) -> tuple[list[int], list[int]]:
         """Receive a codec link's LAYER payload, then decode every chunk that passed its checksum into
-        the destination. Returns (chunks that failed a check or did not decode, blocks lost)."""
+        the destination. Returns (chunks that failed a check or did not decode, chunks whose block
+        had no buffer), as indexes into the frame."""
         cb, n = hdr.chunk_size, hdr.n_chunks
         if self._enc.nbytes < n * cb:  # payload_len was capped by decode_header
             self._enc = memoryview(bytearray(n * cb))
@@ -314,13 +452,13 @@ class Receiver:
             try:
                 link.decode_into(views[j], cur.dest.view(b0 + j, layer))
             except TierFullError:
-                lost.append(b0 + j)
+                lost.append(j)
             except CodecError:
-                bad.append(j)
+                bad.append(j)  # its bit stays unset: the transfer aborts
         return bad, lost
 
-    def _on_end(self, m: dict[str, object]) -> None:
-        cur = self._cur(m)
+    def _on_end(self, end: TransferEnd) -> None:
+        cur = self._cur(end.tid)
         if cur is None or cur.state is not InState.RECEIVING:
             return  # already aborted and answered
         if cur.lost_blocks:
@@ -328,21 +466,31 @@ class Receiver:
                                            "no buffer (backpressure off)"))
             return
         if not cur.complete:
-            self._abort(cur, ProtocolError(f"transfer {cur.tid} ended before every layer arrived"))
+            missing = int(cur._verified.size - cur._n_verified)
+            self._abort(cur, ProtocolError(f"transfer {cur.tid} ended with {missing} block-layers never verified"))
             return
+        keys = cur.meta.block_keys
+        if self.ledger is not None and self.owner is not None and cur.peer is not None:
+            try:  # all or nothing: a key owned here meanwhile is a second owner, nothing changes
+                self.ledger.acquire(keys, self.owner, cur.peer, cur.ledger_tid)
+            except OwnershipError as exc:
+                self._abort(cur, exc)
+                return
         try:
             cur.dest.commit()
         except KVPortError as exc:
+            if self.ledger is not None and cur.peer is not None:
+                for k in keys:  # the acquired records go: nothing was linked
+                    with contextlib.suppress(OwnershipError):
+                        self.ledger.forget(k)
             self._abort(cur, TransferError(f"commit failed: {exc}"))
             return
+        self._send(TransferCommitted(cur.tid, self._owner_name))  # before a waiter may close the connection
         cur._finish(InState.COMMITTED)
         OUTCOMES.labels(role="receiver", outcome="committed").inc()
-        self._send(MsgType.TRANSFER_COMMITTED, {"tid": cur.tid})
 
-    def _abort(self, cur: Incoming, err: TransferError | TierError, tell_sender: bool = True) -> None:
-        terr = err if isinstance(err, TransferError) else TransferError(str(err))
-        if isinstance(err, TierFullError):
-            terr.__cause__ = err
+    def _abort(self, cur: Incoming, err: KVPortError, tell_sender: bool = True) -> None:
+        terr = _transfer_error(err)
         if not cur._finish(InState.ABORTED, terr):
             return
         OUTCOMES.labels(role="receiver", outcome=type(err).__name__).inc()
@@ -352,4 +500,4 @@ class Receiver:
             held, cur.bytes_held = cur.bytes_held, 0
             self.release(held)  # credits returned
             if tell_sender:
-                self._send(MsgType.TRANSFER_ABORT, {"tid": cur.tid, **error_meta(err)})
+                self._send(TransferAbort(cur.tid, terr))

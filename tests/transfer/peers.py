@@ -66,10 +66,10 @@ def sender_main(kind: str, where: Any, mode: str, q: Any) -> None:
                 os._exit(3)
             digests = None
             if mode in ("registered-digests", "registered-bad-digest"):  # the producer's own checksums
-                digests = bytearray(memops.xxh3_many(layer_views(src, spec, layer)))
+                made = bytearray(memops.xxh3_many(layer_views(src, spec, layer)))
                 if mode == "registered-bad-digest" and layer == 1:
-                    digests[8 * 3] ^= 1  # block 3 of layer 1 announced with a wrong checksum
-                digests = bytes(digests)
+                    made[8 * 3] ^= 1  # block 3 of layer 1 announced with a wrong checksum
+                digests = bytes(made)
             s.send_layer(h, layer, layer_views(src, spec, layer), digests)
         s.end(h, timeout_s=10)
         q.put(("ok", h.state.value))
@@ -138,22 +138,22 @@ def history(ledger: Ledger) -> list[tuple[str, str, str, str, str | None]]:
 
 def handoff_receiver_main(conn: Any) -> None:
     """The decode process: its own ledger, prefill its one known peer. Sends its port, then (after
-    the transfer) its ledger's history and whether the bytes arrived intact."""
+    the transfer) its ledger's history and whether the bytes arrived intact, or the error."""
     lst = tcp_mod.TcpListener()
     conn.send(lst.port)
-    t = lst.accept(timeout_s=20)
     ledger = Ledger()
     dst = np.zeros((N_BLOCKS, SPEC.bytes_per_block), dtype=np.uint8)
-    rx = Receiver(t, SPEC, lambda m: BlockTableDestination(dst, range(N_BLOCKS), m), budget_bytes=1 << 20,
-                  ledger=ledger, owner=DECODE, peers=(PREFILL,))
-    rx.start()
-    inc = rx.next_transfer(timeout=20)
     try:
-        inc.wait(timeout=20)
-    finally:
+        rx = Receiver(lst.accept(timeout_s=60), SPEC, lambda m: BlockTableDestination(dst, range(N_BLOCKS), m),
+                      budget_bytes=1 << 20, ledger=ledger, owner=DECODE, peers=(PREFILL,))
+        rx.start()
+        inc = rx.next_transfer(timeout=60).wait(timeout=60)
         conn.send({"state": inc.state.value, "history": history(ledger), "intact": bool(np.array_equal(dst, source()))})
+        rx.closed.wait(60)  # the sender hangs up first: it has read TRANSFER_COMMITTED by then
         rx.close()
-        lst.close()
+    except Exception as exc:
+        conn.send({"error": repr(exc), "history": history(ledger)})
+    lst.close()
 
 
 def handoff_sender_main(port: int, conn: Any) -> None:
@@ -161,10 +161,11 @@ def handoff_sender_main(port: int, conn: Any) -> None:
     ledger = Ledger()
     for k in keys():
         ledger.register(k, PREFILL)
-    s = Sender(tcp_mod.connect("127.0.0.1", port, timeout_s=10), ledger=ledger, owner=PREFILL, peer=DECODE)
-    src = source()
     try:
-        h = s.send(TransferMeta(SPEC, "handoff", keys()), lambda layer: layer_views(src, SPEC, layer))
+        s = Sender(tcp_mod.connect("127.0.0.1", port, timeout_s=60), ledger=ledger, owner=PREFILL, peer=DECODE)
+        src = source()
+        h = s.send(TransferMeta(SPEC, "handoff", keys()), lambda layer: layer_views(src, SPEC, layer), timeout_s=60)
         conn.send({"state": h.state.value, "ledger_tid": h.ledger_tid, "history": history(ledger)})
-    finally:
         s.close()
+    except Exception as exc:
+        conn.send({"error": repr(exc), "history": history(ledger)})

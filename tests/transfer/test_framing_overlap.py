@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from kvport.transfer import inproc
-from kvport.protocol.sync import FrameIO
 from kvport.protocol.frame import CHECKSUM_BYTES, HEADER_BYTES, MsgType, decode_frame, encode_frame, frame_bytes
+from kvport.protocol.sync import FrameIO
+from kvport.transfer import inproc
 
 CHUNK = 4096
 N_CHUNKS = 40  # with batch_bytes = 4 chunks: 10 batches

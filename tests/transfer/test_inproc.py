@@ -22,6 +22,8 @@ from kvport.errors import (
     ProtocolError,
 )
 from kvport.ledger import BlockState, Ledger, Owner
+from kvport.protocol.frame import Flags, MsgType, split_chunks
+from kvport.protocol.sync import FrameIO, read_frame_async, write_frame_async
 from kvport.tiers.host import HostTier
 from kvport.transfer import (
     Backpressure,
@@ -37,11 +39,9 @@ from kvport.transfer import (
     shm,
 )
 from kvport.transfer import tcp as tcp_mod
-from kvport.protocol.sync import FrameIO, read_frame_async, write_frame_async
 from kvport.transfer.loadtest import tcp_pair
-from kvport.transfer.sender import LayerStreamer
 from kvport.transfer.ratelimit import RateLimited, TokenBucket
-from kvport.protocol.frame import Flags, MsgType, split_chunks
+from kvport.transfer.sender import LayerStreamer
 
 from . import peers
 

@@ -7,9 +7,9 @@ import pytest
 
 from kvport import memops
 from kvport.errors import PeerError
-from kvport.transfer import shm as shm_mod
-from kvport.protocol.sync import FrameIO
 from kvport.protocol.frame import MsgType, encode_frame, frame_bytes
+from kvport.protocol.sync import FrameIO
+from kvport.transfer import shm as shm_mod
 
 CHUNK = 4096
 

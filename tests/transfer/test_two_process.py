@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from kvport.errors import ChecksumError, PeerError, ProtocolError, TransferError
-from kvport.ledger import BlockState, Ledger, Owner
+from kvport.ledger import BlockState, Ledger
+from kvport.protocol.frame import VERSION, MsgType, encode_frame, frame_bytes
+from kvport.protocol.transfer import LayerHead, TransferBegin
 from kvport.tiers.host import HostTier
 from kvport.transfer import BlockTableDestination, Receiver, Sender, TransferMeta, host_tier_factory
 from kvport.transfer import shm as shm_mod
 from kvport.transfer import tcp as tcp_mod
-from kvport.protocol.frame import MsgType, encode_frame, frame_bytes
-from kvport.protocol.transfer import LayerHead, TransferBegin
 from kvport.transfer.loadtest import scenario_spec
 
 from . import peers
@@ -140,7 +140,8 @@ def _valid_begin() -> bytes:
     return frame_bytes(encode_frame(MsgType.TRANSFER_BEGIN, TransferBegin(1, meta).to_meta()))
 
 
-def _header(magic: bytes = b"KVPT", version: int = 1, meta_len: int = 0, chunk: int = 0, payload: int = 0) -> bytes:
+def _header(magic: bytes = b"KVPT", version: int = VERSION, meta_len: int = 0, chunk: int = 0,
+            payload: int = 0) -> bytes:
     return struct.pack("<4sBBHIIQQII", magic, version, 0, int(MsgType.LAYER), meta_len, chunk, payload, 0, 0, 0)
 
 
@@ -239,17 +240,18 @@ def test_hand_off_between_two_processes_is_recorded_by_both_ledgers() -> None:
         sproc = CTX.Process(target=peers.handoff_sender_main, args=(port, s_out), daemon=True)
         sproc.start()
         try:
-            assert s_in.poll(30) and r_in.poll(30)
+            assert s_in.poll(90) and r_in.poll(90)
             sent, got = s_in.recv(), r_in.recv()
         finally:
-            sproc.join(10)
+            sproc.join(30)
     finally:
-        rproc.join(10)
+        rproc.join(30)
         for p in (rproc, sproc):
             if p.is_alive():
                 p.kill()
+    assert "error" not in sent and "error" not in got, (sent, got)
     tid = sent["ledger_tid"]
-    keys = [k.hex() for k in peers.keys()]
+    keys = [k.hex() for k in peers.keys(peers.N_BLOCKS)]
     assert sent["state"] == "committed" and got["state"] == "committed" and got["intact"]
     handed = [(key, to, t) for move, key, _, to, t in sent["history"] if move == "handed_off"]
     assert handed == [(k, str(peers.DECODE), tid) for k in keys]

@@ -1,5 +1,6 @@
 import contextlib
 import struct
+from typing import Any
 
 import pytest
 import xxhash
@@ -10,6 +11,7 @@ from kvport.errors import ChecksumError, KVPortError, ProtocolError
 from kvport.protocol.frame import (
     CHECKSUM_BYTES,
     HEADER_BYTES,
+    VERSION,
     Flags,
     Limits,
     MsgType,
@@ -20,7 +22,7 @@ from kvport.protocol.frame import (
 )
 
 
-def _frame(payload: bytes = b"", chunk: int = 4, meta: dict | None = None, **kw) -> bytes:  # type: ignore[type-arg]
+def _frame(payload: bytes = b"", chunk: int = 4, meta: dict[str, Any] | None = None, **kw: Any) -> bytes:
     chunks = [payload[i : i + chunk] for i in range(0, len(payload), chunk)]
     return frame_bytes(encode_frame(MsgType.LAYER, meta if meta is not None else {"layer": 3}, chunks, chunk, **kw))
 
@@ -28,7 +30,7 @@ def _frame(payload: bytes = b"", chunk: int = 4, meta: dict | None = None, **kw)
 def test_header_bytes_exact() -> None:
     buf = _frame(b"abcdefghij", chunk=4, flags=Flags.RESPONSE, corr_id=7)
     magic, ver, flags, mtype, meta_len, cs, plen, corr, check, res = struct.unpack_from("<4sBBHIIQQII", buf)
-    assert (magic, ver, flags, mtype, cs, plen, corr, res) == (b"KVPT", 1, 1, 19, 4, 10, 7, 0)
+    assert (magic, ver, flags, mtype, cs, plen, corr, res) == (b"KVPT", VERSION, 1, 19, 4, 10, 7, 0)
     assert meta_len == len(buf) - HEADER_BYTES - 10 - 3 * CHECKSUM_BYTES
     assert check == xxhash.xxh32_intdigest(buf[:32] + buf[HEADER_BYTES : HEADER_BYTES + meta_len])
     # chunk 0 data then its xxh3-64 little-endian, then chunk 1 ...
@@ -50,7 +52,7 @@ def test_roundtrip() -> None:
     ("mutate", "match"),
     [
         (lambda b: b"XXXX" + b[4:], "bad magic"),
-        (lambda b: b[:4] + bytes([2]) + b[5:], "unknown wire version"),
+        (lambda b: b[:4] + bytes([VERSION + 1]) + b[5:], "unknown wire version"),
         (lambda b: b[:6] + struct.pack("<H", 999) + b[8:], "unknown msg_type"),
         (lambda b: b[:5] + bytes([0x80]) + b[6:], "unknown flag"),
         (lambda b: b[:20], "truncated frame header"),
@@ -66,16 +68,16 @@ def test_decode_errors(mutate, match) -> None:  # type: ignore[no-untyped-def]
 
 def test_oversized_lengths_refused_before_allocation() -> None:
     lim = Limits(max_meta_bytes=64, max_payload_bytes=1000, max_chunk_bytes=100, max_chunks=4)
-    big_meta = struct.pack("<4sBBHIIQQII", b"KVPT", 1, 0, 19, 1 << 31, 0, 0, 0, 0, 0)
+    big_meta = struct.pack("<4sBBHIIQQII", b"KVPT", VERSION, 0, 19, 1 << 31, 0, 0, 0, 0, 0)
     with pytest.raises(ProtocolError, match="oversized metadata"):
         decode_header(big_meta, lim)
-    big_payload = struct.pack("<4sBBHIIQQII", b"KVPT", 1, 0, 19, 0, 10, 1 << 62, 0, 0, 0)
+    big_payload = struct.pack("<4sBBHIIQQII", b"KVPT", VERSION, 0, 19, 0, 10, 1 << 62, 0, 0, 0)
     with pytest.raises(ProtocolError, match="oversized payload"):
         decode_header(big_payload, lim)
-    big_chunk = struct.pack("<4sBBHIIQQII", b"KVPT", 1, 0, 19, 0, 1000, 1000, 0, 0, 0)
+    big_chunk = struct.pack("<4sBBHIIQQII", b"KVPT", VERSION, 0, 19, 0, 1000, 1000, 0, 0, 0)
     with pytest.raises(ProtocolError, match="oversized chunk"):
         decode_header(big_chunk, lim)
-    many = struct.pack("<4sBBHIIQQII", b"KVPT", 1, 0, 19, 0, 1, 1000, 0, 0, 0)
+    many = struct.pack("<4sBBHIIQQII", b"KVPT", VERSION, 0, 19, 0, 1, 1000, 0, 0, 0)
     with pytest.raises(ProtocolError, match="too many chunks"):
         decode_header(many, lim)
 

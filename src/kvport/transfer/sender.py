@@ -2,19 +2,25 @@
 
 ::
 
-    begin(meta)      TRANSFER_BEGIN ->            <- TRANSFER_ACCEPT {budget, grant} | TRANSFER_REFUSE {field}
+    begin(meta)      TRANSFER_BEGIN {owner, ledger_tid} ->   <- TRANSFER_ACCEPT {budget, grant, owner}
+                                                              | TRANSFER_REFUSE {error}
+                     (ledger: the receiver's owner must be ``peer`` / a known peer, then
+                      begin_transfer(keys, owner -> receiver owner, ledger_tid))
     send_layer(l)    LAYER {tid, layer, b0} + one chunk per block (as many blocks as credits allow)
                                                   <- CREDIT {grant}  (any time)
-    end()            TRANSFER_END ->              <- TRANSFER_COMMITTED | TRANSFER_ABORT {error}
+    end()            TRANSFER_END ->              <- TRANSFER_COMMITTED {owner} | TRANSFER_ABORT {error}
+                     (ledger: commit_transfer -> HANDED_OFF to the receiver's owner)
 
-A reader thread handles every frame from the receiver (grants, answers, aborts); the producer thread
-only writes. Outgoing state: BEGUN -> ACCEPTED -> ENDED -> COMMITTED, any -> ABORTED (one function,
-:meth:`Outgoing._move`, raises on any other move). With a ledger, ``begin`` moves the blocks to a
-transfer owner; COMMITTED hands them to the receiver's owner, any failure gives them back to ours.
+A reader thread handles every frame from the receiver (grants, answers, aborts), each decoded into
+its typed message (:mod:`kvport.protocol.transfer`); the producer thread only writes. Outgoing state:
+BEGUN -> ACCEPTED -> ENDED -> COMMITTED, any -> ABORTED (one function, :meth:`Outgoing._move`, raises
+on any other move). With a ledger the blocks belong to the transfer from the receiver's ACCEPT (before
+any LAYER frame) until COMMITTED hands them to the receiver's owner; any failure gives them back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import itertools
@@ -22,21 +28,46 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvport.errors import CodecError, IllegalMoveError, PeerError, ProtocolError, TransferError
+from kvport.errors import (
+    CodecError,
+    ConfigError,
+    IllegalMoveError,
+    KVPortError,
+    OwnershipError,
+    PeerError,
+    ProtocolError,
+    TransferError,
+    UnknownPeerError,
+)
+from kvport.ledger.ledger import new_tid
+from kvport.ledger.states import Owner
 from kvport.metrics import counter
-from kvport.transfer.credits import Admitted, Backpressure, CreditWindow, Rejected, RejectReason, wait_for
-from kvport.transfer.framing import FrameIO
-from kvport.transfer.meta import TransferMeta, remote_error
-from kvport.transfer.transport import Buffer, Transport
-from kvport.transfer.wire import DEFAULT_LIMITS, Limits, MsgType
+from kvport.protocol.errors import remote_error
+from kvport.protocol.frame import DEFAULT_LIMITS, Limits, MsgType
+from kvport.protocol.rejects import Rejected, RejectReason
+from kvport.protocol.schema import Message
+from kvport.protocol.sync import FrameIO
+from kvport.protocol.transfer import (
+    Credit,
+    LayerHead,
+    TransferAbort,
+    TransferAccept,
+    TransferBegin,
+    TransferCommitted,
+    TransferEnd,
+    TransferRefuse,
+)
+from kvport.protocol.transport import Buffer, Transport
+from kvport.transfer.credits import Admitted, Backpressure, CreditWindow, wait_for
+from kvport.transfer.meta import TransferMeta
 
 if TYPE_CHECKING:  # types only: the ledger is used through its methods; codecs load on first use
     from kvport.codec import Codec
-    from kvport.ledger import Ledger, Owner
+    from kvport.ledger import Ledger
     from kvport.transfer.linkcodec import LinkCodec
 
 SENT_BYTES = counter("transfer_sent_bytes_total", "KV payload bytes sent", ["transport"])
@@ -62,11 +93,18 @@ _ALLOWED = {
 
 @dataclass(slots=True)
 class Outgoing:
+    """One transfer as the sender sees it. ``error``: why it aborted (a TransferError, or an
+    OwnershipError when the ledgers disagree). ``ledger_tid`` names it in both ledgers;
+    ``peer_owner`` is the owner the receiver announced in its ACCEPT; ``ledger_open`` says the
+    sender's ledger holds the blocks in this transfer (begin_transfer done, not yet settled)."""
+
     tid: int
     meta: TransferMeta
+    ledger_tid: str = ""
     state: OutState = OutState.BEGUN
-    error: TransferError | None = None
-    ledger_tid: str | None = None
+    error: KVPortError | None = None
+    peer_owner: str = ""
+    ledger_open: bool = False
     sent_bytes: int = 0
     layers_sent: set[int] = field(default_factory=set)
     link: LinkCodec | None = None  # the link's codec: block-layers are encoded before they go out
@@ -88,14 +126,21 @@ class Sender:
                  batch_bytes: int | None = None, codec: Codec | None = None) -> None:
         """``batch_bytes``: payload per transport write (small: hashed while in cache, for sockets;
         a whole frame for shared memory, where each write is a hand-off to the peer).
-        ``codec``: this link's codec (:mod:`kvport.transfer.linkcodec`); raw when None."""
+        ``codec``: this link's codec (:mod:`kvport.transfer.linkcodec`); raw when None.
+        ``ledger`` / ``owner``: record every transfer as a hand-off of ``owner``'s blocks to the
+        receiver's owner, which must be ``peer`` (added to the ledger as a peer) or, without
+        ``peer``, a peer the ledger already knows."""
+        if ledger is not None and owner is None:
+            raise ConfigError("a Sender with a ledger needs its owner")
+        if peer is not None and ledger is None:
+            raise ConfigError("a peer is known to a ledger: pass ledger= with it")
         self.t = transport
         self.io = FrameIO(transport, limits, batch_bytes)
         self.bp = bp or Backpressure()
         self.window = CreditWindow(self.bp)
         self.ledger, self.owner, self.peer = ledger, owner, peer
-        if ledger is not None and (owner is None or peer is None):
-            raise TransferError("a Sender with a ledger needs owner and peer")
+        if ledger is not None and peer is not None:
+            ledger.add_peer(peer)
         self.credit_timeout_s = credit_timeout_s
         self.max_frame_bytes = max_frame_bytes
         self.codec = codec
@@ -104,7 +149,7 @@ class Sender:
         self._current: Outgoing | None = None
         self._cond = self.window.cond  # one condition for grants and answers
         self._wlock = threading.Lock()
-        self._dead: TransferError | None = None
+        self._dead: KVPortError | None = None
         self._reader = threading.Thread(target=self._read_loop, name="kvport-sender-reader", daemon=True)
         self._reader.start()
 
@@ -113,32 +158,45 @@ class Sender:
         try:
             while True:
                 f = self.io.read_frame()
-                m = f.meta
-                with self._cond:
-                    cur = self._current
-                    if f.msg_type is MsgType.CREDIT or f.msg_type is MsgType.TRANSFER_ACCEPT:
-                        grant, budget = m.get("grant"), m.get("budget")
-                        if not isinstance(grant, int) or not (budget is None or isinstance(budget, int)):
-                            raise ProtocolError("credit frame without an int grant")
-                        self.window.on_grant(grant, budget)
-                    if cur is None or m.get("tid") != cur.tid:
-                        if f.msg_type is MsgType.ERROR:
-                            raise remote_error(m)
-                        continue  # grant only, or a late answer to an aborted transfer
-                    if f.msg_type is MsgType.TRANSFER_ACCEPT:
-                        cur._move(OutState.ACCEPTED)
-                    elif f.msg_type is MsgType.TRANSFER_COMMITTED:
-                        cur._move(OutState.COMMITTED)
-                        self._ledger_commit(cur)
-                    elif f.msg_type in (MsgType.TRANSFER_REFUSE, MsgType.TRANSFER_ABORT, MsgType.ERROR):
-                        self._fail(cur, remote_error(m))
-                    self._cond.notify_all()
-        except TransferError as exc:
+                self._on_frame(f.msg_type, f.meta)
+        except KVPortError as exc:
             self._die(exc)
         except Exception as exc:
             self._die(PeerError(f"sender reader failed: {exc!r}"))
 
-    def _die(self, exc: TransferError) -> None:
+    def _on_frame(self, mt: MsgType, m: dict[str, Any]) -> None:
+        """Decode one frame from the receiver (ProtocolError on a bad field) and act on it."""
+        if mt is MsgType.CREDIT:
+            self.window.on_grant(Credit.from_meta(m).grant)
+            return
+        if mt is MsgType.ERROR:  # the receiver closes the connection after it
+            raise remote_error(m, TransferError)
+        if mt is MsgType.TRANSFER_ACCEPT:
+            acc = TransferAccept.from_meta(m)
+            self.window.on_grant(acc.grant, acc.budget)
+            tid = acc.tid
+        elif mt is MsgType.TRANSFER_COMMITTED:
+            done = TransferCommitted.from_meta(m)
+            tid = done.tid
+        elif mt is MsgType.TRANSFER_REFUSE or mt is MsgType.TRANSFER_ABORT:
+            failed = (TransferRefuse if mt is MsgType.TRANSFER_REFUSE else TransferAbort).from_meta(m)
+            tid = failed.tid
+        else:
+            raise ProtocolError(f"unexpected {mt.name} from a receiver")
+        with self._cond:
+            cur = self._current
+            if cur is None or tid != cur.tid or cur.done:
+                return  # a late answer to a transfer already aborted here
+            if mt is MsgType.TRANSFER_ACCEPT:
+                cur.peer_owner = acc.owner
+                cur._move(OutState.ACCEPTED)
+            elif mt is MsgType.TRANSFER_COMMITTED:
+                self._committed(cur, done)
+            else:
+                self._fail(cur, failed.error)
+            self._cond.notify_all()
+
+    def _die(self, exc: KVPortError) -> None:
         with self._cond:
             self._dead = exc
             if self._current is not None and not self._current.done:
@@ -146,18 +204,28 @@ class Sender:
             self.window.reset()
             self._cond.notify_all()
 
-    def _fail(self, h: Outgoing, exc: TransferError) -> None:
+    def _fail(self, h: Outgoing, exc: KVPortError) -> None:
+        """Abort ``h`` here (callers hold ``_cond``): the ledger gives its blocks back to our owner."""
         if h.done:
             return
         h.error = exc
         h._move(OutState.ABORTED)
         OUTCOMES.labels(role="sender", outcome=type(exc).__name__).inc()
-        if self.ledger is not None and h.ledger_tid is not None:
+        if self.ledger is not None and h.ledger_open:
+            h.ledger_open = False
             self.ledger.abort_transfer(h.ledger_tid)
 
-    def _ledger_commit(self, h: Outgoing) -> None:
+    def _committed(self, h: Outgoing, done: TransferCommitted) -> None:
+        """TRANSFER_COMMITTED (callers hold ``_cond``): the owner that acquired the blocks must be the
+        one that accepted them; the ledger then records HANDED_OFF to it."""
+        if self.ledger is not None and done.owner != h.peer_owner:
+            self._fail(h, ProtocolError(f"transfer {h.tid} committed by {done.owner[:80]!r}, accepted by "
+                                        f"{h.peer_owner[:80]!r}"))
+            return
+        h._move(OutState.COMMITTED)
         OUTCOMES.labels(role="sender", outcome="committed").inc()
-        if self.ledger is not None and h.ledger_tid is not None:
+        if self.ledger is not None and h.ledger_open:
+            h.ledger_open = False
             self.ledger.commit_transfer(h.ledger_tid)
 
     def _wait(self, h: Outgoing, pred: Callable[[], bool], timeout: float | None, what: str) -> None:
@@ -172,6 +240,11 @@ class Sender:
                 self._fail(h, err)
                 raise err
 
+    def _send(self, msg: Message, chunks: Sequence[Buffer] = (), chunk_size: int | None = None,
+              digests: bytes | None = None) -> None:
+        with self._wlock:
+            self.io.send(msg.TYPE, msg.to_meta(), chunks, chunk_size, digests=digests)
+
     # ------------------------------------------------------------------ API
     def try_admit(self) -> Admitted | Rejected:
         """May the scheduler start new work? Never blocks (watermarks with hysteresis)."""
@@ -180,7 +253,9 @@ class Sender:
         return self.window.admission()
 
     def begin(self, meta: TransferMeta, timeout_s: float | None = 30.0) -> Outgoing:
-        """Announce a transfer and wait for the receiver's compatibility verdict (raises its refusal)."""
+        """Announce a transfer and wait for the receiver's verdict (raises its refusal). With a ledger,
+        the receiver's owner is checked and the blocks move to the transfer before this returns
+        (UnknownPeerError / IllegalMoveError abort it: nothing changes in the ledger)."""
         with self._cond:
             if self._dead is not None:
                 raise self._dead
@@ -193,20 +268,46 @@ class Sender:
                 link = LinkCodec(self.codec, meta.spec)
                 meta = dataclasses.replace(meta, codec_id=self.codec.codec_id, codec_params=self.codec.params,
                                            chunk_bytes=link.chunk_bytes)
-            h = Outgoing(next(self._tids), meta, link=link)
-            if self.ledger is not None and self.owner is not None and self.peer is not None:
-                # all-or-nothing in the ledger; an OwnershipError leaves no transfer open
-                h.ledger_tid = self.ledger.begin_transfer(meta.block_keys, self.owner, self.peer)
+            h = Outgoing(next(self._tids), meta, new_tid(), link=link)
             self._current = h
         try:
-            with self._wlock:
-                self.io.send(MsgType.TRANSFER_BEGIN, {"tid": h.tid, **meta.to_wire()})
+            self._send(TransferBegin(h.tid, meta, "" if self.owner is None else str(self.owner), h.ledger_tid))
         except TransferError as exc:
             with self._cond:
                 self._fail(h, exc)
             raise
         self._wait(h, lambda: h.state is OutState.ACCEPTED, timeout_s, "answer to TRANSFER_BEGIN")
+        if self.ledger is not None and self.owner is not None:
+            self._hand_to_transfer(h, self.ledger, self.owner)
         return h
+
+    def _hand_to_transfer(self, h: Outgoing, ledger: Ledger, owner: Owner) -> None:
+        """After ACCEPT: the receiver's owner must be our peer; the ledger moves every block to the
+        transfer (all or nothing), before any LAYER frame. A failure aborts the transfer."""
+        with self._cond:
+            if h.error is not None:
+                raise h.error
+            try:
+                dst = self._accepted_owner(h.peer_owner, ledger)
+                ledger.begin_transfer(h.meta.block_keys, owner, dst, tid=h.ledger_tid)
+                h.ledger_open = True
+                return
+            except OwnershipError as exc:
+                self._fail(h, exc)
+                err: KVPortError = exc
+        self._send_abort(h, err)
+        raise err
+
+    def _accepted_owner(self, name: str, ledger: Ledger) -> Owner:
+        try:
+            dst = Owner.parse(name)
+        except IllegalMoveError as exc:
+            raise UnknownPeerError(f"the receiver accepted as {name[:80]!r}, not a known peer") from exc
+        if self.peer is not None and dst != self.peer:
+            raise UnknownPeerError(f"the receiver accepted as {dst}, this sender hands off to {self.peer}")
+        if dst not in ledger.peers:
+            raise UnknownPeerError(f"the receiver accepted as {dst}, not a known peer of this ledger")
+        return dst
 
     def send_layer(self, h: Outgoing, layer: int, blocks: Sequence[Buffer], digests: bytes | None = None) -> None:
         """Send layer ``layer`` of every block (``blocks[i]``: that layer's bytes of block i).
@@ -235,9 +336,8 @@ class Sender:
                     wait_for(self.window, lb, self.credit_timeout_s)
                     k = max(1, min(k, self.window.available // lb))
                 self.window.consume(k * lb)
-                with self._wlock:
-                    self.io.send(MsgType.LAYER, {"tid": h.tid, "layer": layer, "b0": i}, blocks[i : i + k], lb,
-                                 digests=None if digests is None else digests[8 * i : 8 * (i + k)])
+                self._send(LayerHead(h.tid, layer, i), blocks[i : i + k], lb,
+                           None if digests is None else digests[8 * i : 8 * (i + k)])
                 h.sent_bytes += k * lb
                 SENT_BYTES.labels(transport=self.t.name).inc(k * lb)
                 i += k
@@ -272,8 +372,7 @@ class Sender:
                 raise h.error
             h._move(OutState.ENDED)
         try:
-            with self._wlock:
-                self.io.send(MsgType.TRANSFER_END, {"tid": h.tid})
+            self._send(TransferEnd(h.tid))
         except TransferError as exc:
             with self._cond:
                 self._fail(h, exc)
@@ -286,13 +385,9 @@ class Sender:
             self._fail(h, exc)
         self._send_abort(h, exc)
 
-    def _send_abort(self, h: Outgoing, exc: TransferError) -> None:
-        try:
-            with self._wlock:
-                self.io.send(MsgType.TRANSFER_ABORT, {"tid": h.tid, "error": type(exc).__name__,
-                                                      "message": str(exc)})
-        except TransferError:
-            pass  # the connection is gone; the receiver aborts on EOF
+    def _send_abort(self, h: Outgoing, exc: KVPortError) -> None:
+        with contextlib.suppress(TransferError):  # the connection is gone; the receiver aborts on EOF
+            self._send(TransferAbort(h.tid, exc))
 
     def send(self, meta: TransferMeta, layer_blocks: Callable[[int], Sequence[Buffer]],
              timeout_s: float | None = 60.0, layer_digests: Callable[[int], bytes] | None = None) -> Outgoing:

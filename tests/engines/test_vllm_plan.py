@@ -53,7 +53,7 @@ def test_accepted_hit_becomes_a_load_into_the_allocated_blocks_then_saves_the_re
     plan = pl.step([ScheduledRequest("r", 8, 6, [7, 3, 9, 1], True)])
     assert plan.loads == (BlockCopy("r", (keys[0], keys[1]), (7, 3)),)
     # block 2 is computed this step and is a full prompt block; block 3 is partial: not saved
-    assert plan.saves == (BlockCopy("r", (keys[2],), (9,)),)
+    assert plan.saves == (BlockCopy("r", (keys[2],), (9,), parent=keys[1]),)  # under its parent: the chain kept
     # decode steps save nothing more (generated tokens are not keyed)
     plan = pl.step([ScheduledRequest("r", 14, 1, [5], False)])
     assert plan.loads == () and plan.saves == ()
@@ -89,7 +89,8 @@ def test_preempted_request_replaces_its_block_table() -> None:
     pl.lookup("r", p, 0)
     pl.step([ScheduledRequest("r", 0, 4, [1], True)])
     plan = pl.step([ScheduledRequest("r", 0, 8, [6, 2], True)])  # resumed: new table, block 1 saved before
-    assert plan.saves == (BlockCopy("r", (chain_keys(p, CTX)[1],), (2,)),)
+    keys = chain_keys(p, CTX)
+    assert plan.saves == (BlockCopy("r", (keys[1],), (2,), parent=keys[0]),)
 
 
 def test_finish_drops_state_and_a_load_beyond_the_lookup_is_refused() -> None:
@@ -101,3 +102,13 @@ def test_finish_drops_state_and_a_load_beyond_the_lookup_is_refused() -> None:
     pl.finish("r")
     assert len(pl) == 0
     assert pl.step([ScheduledRequest("r", 0, 12, [1, 2, 3], True)]).saves == ()
+
+
+def test_saves_come_in_runs_of_consecutive_blocks_each_under_its_parent() -> None:
+    p = prompt(16)
+    keys = chain_keys(p, CTX)
+    pl = planner({keys[1]})  # the store already holds block 1 (another engine saved it)
+    pl.lookup("r", p, 0)
+    plan = pl.step([ScheduledRequest("r", 0, 16, [5, 6, 7, 8], True)])
+    assert plan.saves == (BlockCopy("r", (keys[0],), (5,), parent=None),
+                          BlockCopy("r", (keys[2], keys[3]), (7, 8), parent=keys[1]))

@@ -16,6 +16,8 @@ from kvport.engines.vllm.worker import BlockMover
 from kvport.errors import ConfigError, EngineError, IncompatibleSpecError
 from kvport.keys import KeyContext, chain_keys
 from kvport.spec import DType, KVSpec, Layout
+from kvport.client.port import StoreConfig, open_store
+from kvport.store import TieredStore
 from kvport.tiers.disk import DiskTier
 
 SPEC = KVSpec("m", num_layers=3, num_kv_heads=2, head_dim=8, dtype=DType.FP32, block_size=4, layout=Layout.VLLM_CPU)
@@ -30,8 +32,14 @@ def engine_kv(num_blocks: int, seed: int | None) -> dict[str, torch.Tensor]:
     return {f"model.layers.{i}.self_attn.attn": make() for i in (2, 0, 1)}
 
 
+def store(tmp_path: Path) -> TieredStore:
+    """The connector's store: a disk folder shared with other engine processes, through the port."""
+    return open_store(StoreConfig(block_bytes=SPEC.bytes_per_block, disk_dir=tmp_path / "disk", disk_bytes=1 << 30,
+                                  disk_shared=True))
+
+
 def mover(tmp_path: Path, kv: dict[str, torch.Tensor], staging: int = 8) -> BlockMover:
-    return BlockMover(SPEC, DiskTier(tmp_path / "disk", 1 << 30), PagedKV(kv, SPEC), staging)
+    return BlockMover(SPEC, store(tmp_path), PagedKV(kv, SPEC), staging)
 
 
 def layer(kv: dict[str, torch.Tensor], i: int) -> torch.Tensor:
@@ -93,7 +101,7 @@ def test_a_corrupt_block_fails_the_rest_of_that_load_and_is_reported(tmp_path: P
         assert torch.equal(layer(dst, i)[[4, 5]], layer(src, i)[src_ids[:2]])
         assert not layer(dst, i)[[6, 7]].any()  # never wrong data
     assert m.stats.blocks_failed == 2
-    assert not m.tier.contains(keys[2])  # the tier dropped it: next lookup is a clean miss
+    assert not m.store.contains(keys[2])  # the store dropped it: next lookup is a clean miss
 
 
 def test_a_block_of_the_wrong_size_is_refused(tmp_path: Path) -> None:
@@ -101,7 +109,7 @@ def test_a_block_of_the_wrong_size_is_refused(tmp_path: Path) -> None:
     key = chain_keys([1, 2, 3, 4], CTX)[0]
     tier.put(key, b"\x00" * (SPEC.bytes_per_block - 4))
     dst = engine_kv(2, seed=None)
-    m = BlockMover(SPEC, tier, PagedKV(dst, SPEC), 2)
+    m = BlockMover(SPEC, store(tmp_path), PagedKV(dst, SPEC), 2)
     m.begin_load([BlockCopy("b", (key,), (1,))])
     assert m.take_failed() == {1}
 

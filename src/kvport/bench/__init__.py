@@ -14,6 +14,7 @@ SUITES: dict[str, str] = {
     "hash": "kvport.bench.hash",
     "planner": "kvport.bench.planner",
     "server": "kvport.bench.server",
+    "soak": "kvport.bench.soak",
     "prefix": "kvport.bench.prefix",
     "tiers": "kvport.bench.tiers",
     "transfer": "kvport.bench.transfer",

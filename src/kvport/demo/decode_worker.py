@@ -9,14 +9,17 @@ joins it and decodes::
                  gather layer i -> cache tensors  (receive staging -> landing, one strided copy)
                  receiver.release(layer bytes)    credits back to the prefill worker (backpressure:
                                                   the receive budget bounds KV not yet consumed)
-    incoming.wait()                              committed: ownership of the blocks is ours
+    incoming.wait()                              committed: the KV ledger recorded ACQUIRE of the
+                                                  blocks from the prefill worker, with its transfer id
     crop the padded tail to N tokens, decode greedily from the prefill worker's first token
     store prompt + answer blocks in the shared tier (system prompt: PREFIX, the rest: SESSION),
     skipping the blocks the prefill worker found there already
 
 A transfer that fails or is refused (``TransferError``) makes this request recompute its prefill
 here, from the prompt tokens, with the same output. Restarting this process loses nothing but its
-buffers: the session KV lives in the shared tier.
+buffers: the session KV lives in the shared tier, where the server records the PUT as a hand-off to
+the pool (lifetime SESSION or PREFIX). Once a request is answered the engine frees its KV and its
+ledger forgets the acquired blocks: it owns nothing between requests. Storage is the store port.
 """
 
 from __future__ import annotations
@@ -32,27 +35,30 @@ import numpy as np
 import torch
 
 from kvport.client.conn import ClientConfig
-from kvport.client.remote import RemoteTier
+from kvport.client.port import StoreConfig, open_store
 from kvport.demo import messages
 from kvport.demo.quiet import quiet_transformers
 from kvport.engines.hf import BlockLayout, HFEngine, Lifetime, StoreBlocks, dynamic_cache
 from kvport.errors import BufferMismatchError, KVPortError, ProtocolError
+from kvport.ledger import Ledger, Owner
 from kvport.spec import DType, from_hf_config
-from kvport.store import TieredStore
 from kvport.transfer import Backpressure, BlockTableDestination, Receiver, TransferMeta
 from kvport.transfer.tcp import TcpListener
 
 
 class DecodeWorker:
-    def __init__(self, model_dir: Path, shared_port: int, threads: int, budget_bytes: int, max_blocks: int) -> None:
+    def __init__(self, model_dir: Path, shared_port: int, threads: int, budget_bytes: int, max_blocks: int,
+                 owner: str = "decode", peer: str = "prefill") -> None:
         from kvport.refmodel import load
 
         torch.set_num_threads(threads)
         quiet_transformers()
         model, _ = load(model_dir, prepare_if_missing=False)
         self.spec = from_hf_config(model_dir, dtype=DType.FP32)
-        self.shared = RemoteTier(ClientConfig(port=shared_port), name="shared")
-        self.store = TieredStore([self.shared])
+        self.store = open_store(StoreConfig(block_bytes=self.spec.bytes_per_block,
+                                            server=ClientConfig(port=shared_port)))
+        self.owner, self.peer = Owner.engine(owner), Owner.engine(peer)
+        self.kv_ledger = Ledger(owners=[self.owner], peers=[self.peer])  # the KV this engine holds
         self.eng = HFEngine(model, self.spec, StoreBlocks(self.store, self.spec))
         self.plain = HFEngine(model, self.spec, None)  # recompute path when a transfer fails
         self.recv = BlockLayout(self.spec, capacity_blocks=max_blocks)
@@ -62,7 +68,7 @@ class DecodeWorker:
         self.receiver: Receiver | None = None
         self._connected = threading.Event()
         self._rx = ThreadPoolExecutor(1, thread_name_prefix="decode-rx")
-        self._pending: dict[str, tuple[float, Future[tuple[Any, int]]]] = {}
+        self._pending: dict[str, tuple[float, Future[tuple[Any, int, tuple[bytes, ...]]]]] = {}
         threading.Thread(target=self._accept, name="decode-accept", daemon=True).start()
 
     def _destination(self, meta: TransferMeta) -> BlockTableDestination:
@@ -75,12 +81,14 @@ class DecodeWorker:
 
     def _accept(self) -> None:
         t = self.listener.accept(timeout_s=None)
-        self.receiver = Receiver(t, self.spec, self._destination, self.budget, Backpressure(), auto_release=False)
+        self.receiver = Receiver(t, self.spec, self._destination, self.budget, Backpressure(), auto_release=False,
+                                 ledger=self.kv_ledger, owner=self.owner, peers=[self.peer])
         self.receiver.start()
         self._connected.set()
 
-    def _receive(self, rid: str, n_tok: int) -> tuple[Any, int]:
-        """The prefill worker's KV for ``rid`` as a cache of exactly ``n_tok`` tokens, and its bytes."""
+    def _receive(self, rid: str, n_tok: int) -> tuple[Any, int, tuple[bytes, ...]]:
+        """The prefill worker's KV for ``rid`` as a cache of exactly ``n_tok`` tokens, its bytes, and
+        the blocks this engine now owns (acquired, recorded in its KV ledger)."""
         if not self._connected.wait(60) or self.receiver is None:
             raise ProtocolError("the prefill worker never connected")
         inc = self.receiver.next_transfer(timeout=120)
@@ -98,7 +106,7 @@ class DecodeWorker:
             layers.append((k[:, :, :n_tok], v[:, :, :n_tok]))
             self.receiver.release(layer_bytes)
         inc.wait(timeout=60)
-        return dynamic_cache(self.eng.model.config, layers), meta.total_bytes
+        return dynamic_cache(self.eng.model.config, layers), meta.total_bytes, meta.block_keys
 
     def expect(self, rid: str, n_tok: int) -> None:
         if rid in self._pending:
@@ -114,8 +122,9 @@ class DecodeWorker:
         t0 = time.perf_counter()
         fallback: str | None = None
         received = 0
+        acquired: tuple[bytes, ...] = ()
         try:
-            cache, received = fut.result(timeout=300)
+            cache, received, acquired = fut.result(timeout=300)
         except KVPortError as exc:
             fallback = f"{type(exc).__name__}: {exc}"
             pf = self.plain.prefill(prompt)
@@ -132,10 +141,14 @@ class DecodeWorker:
                                    shared_prefix_tokens=int(msg["shared_prefix_tokens"]))
         except KVPortError as exc:
             store_error = f"{type(exc).__name__}: {exc}"
+        owned = sum(1 for k in acquired if self.kv_ledger.knows(k))
+        for k in acquired:  # answered: the engine frees its copy (the session lives in the pool)
+            if self.kv_ledger.knows(k):
+                self.kv_ledger.forget(k)
         return {"ok": True, "rid": rid, "tokens": tokens, "recv_wait_s": recv_s, "decode_s": decode_s,
                 "since_expect_s": time.perf_counter() - t_expect,
                 "received_bytes": received, "stored_blocks": stored, "fallback": fallback,
-                "store_error": store_error}
+                "store_error": store_error, "acquired_blocks": owned, "owned_after": len(self.kv_ledger)}
 
     def close(self) -> None:
         self._rx.shutdown(wait=False, cancel_futures=True)
@@ -149,7 +162,8 @@ def main(conn: Connection, cfg: dict[str, Any]) -> None:
     """Process entry: build the worker, report its transfer port, answer control messages."""
     try:
         w = DecodeWorker(Path(cfg["model_dir"]), int(cfg["shared_port"]), int(cfg["threads"]),
-                         int(cfg["budget_bytes"]), int(cfg["max_blocks"]))
+                         int(cfg["budget_bytes"]), int(cfg["max_blocks"]), str(cfg.get("owner", "decode")),
+                         str(cfg.get("peer", "prefill")))
     except Exception as exc:  # the router reports it; nothing else can
         messages.send(conn, {"op": "ready", "ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return

@@ -10,7 +10,14 @@ One request (``op: prefill``)::
     forward(prompt[use*B:])                             a hook after each decoder layer i scatters that
         layer i done -> staging[use:n, i] -> queue      layer's new tokens into staging and queues it;
     sender thread: send_layer(i, staging[:, i])         the sender thread streams it within its credits
-    first token -> answer (TTFT);  sender.end() -> committed (ownership moves to the decode worker)
+    first token -> answer (TTFT);  sender.end() -> committed: a recorded hand-off
+
+Ownership: the KV this engine computes or loads for a request is registered in its KV ledger as the
+engine's own; the transfer moves it (``begin_transfer`` after the decode worker accepted) and the
+commit records HANDED_OFF to the decode worker's owner with the transfer id, which the decode
+worker records as ACQUIRE. Whatever is still the engine's after the request (an aborted transfer)
+is freed and forgotten: the engine owns nothing between requests. Storage is the store port
+(:func:`kvport.client.port.open_store`: host tier over the shared tier).
 
 Backpressure: the decode worker grants credits from the receive buffer it has free; the sender never
 has more bytes in flight than granted (credit waits are counted), and new prompts are admitted only
@@ -31,6 +38,7 @@ import torch
 
 from kvport import metrics
 from kvport.client.conn import ClientConfig
+from kvport.client.port import StoreConfig, open_store
 from kvport.client.remote import RemoteTier
 from kvport.demo import messages
 from kvport.demo.calibrate import quick_profile
@@ -38,11 +46,10 @@ from kvport.demo.quiet import quiet_transformers
 from kvport.engines.hf import HFEngine, StoreBlocks
 from kvport.errors import KVPortError, PeerError, TransferError
 from kvport.keys import chain_keys
+from kvport.ledger import Ledger, Move, Owner
 from kvport.planner import Action, Cached, Load, Planner, Request
 from kvport.planner.profile import LinkKind, machine_id
 from kvport.spec import DType, from_hf_config
-from kvport.store import TieredStore
-from kvport.tiers import HostTier
 from kvport.transfer import Backpressure, Rejected, Sender, TransferMeta
 from kvport.transfer.sender import Outgoing
 from kvport.transfer.tcp import connect
@@ -51,16 +58,22 @@ SHARED = "shared"
 
 
 class PrefillWorker:
-    def __init__(self, model_dir: Path, shared_port: int, threads: int, host_bytes: int) -> None:
+    def __init__(self, model_dir: Path, shared_port: int, threads: int, host_bytes: int,
+                 owner: str = "prefill") -> None:
         from kvport.refmodel import load
 
         torch.set_num_threads(threads)
         quiet_transformers()
         model, _ = load(model_dir, prepare_if_missing=False)
         self.spec = from_hf_config(model_dir, dtype=DType.FP32)
-        self.shared = RemoteTier(ClientConfig(port=shared_port), name=SHARED)
-        host = HostTier(max(host_bytes, 4 * self.spec.bytes_per_block), self.spec.bytes_per_block, name="host")
-        self.store = TieredStore([host, self.shared])
+        bb = self.spec.bytes_per_block
+        self.store = open_store(StoreConfig(block_bytes=bb, host_bytes=max(host_bytes, 4 * bb),
+                                            server=ClientConfig(port=shared_port)))
+        shared = self.store.tiers[SHARED]
+        assert isinstance(shared, RemoteTier)
+        self.shared = shared
+        self.owner = Owner.engine(owner)
+        self.kv_ledger = Ledger(owners=[self.owner])  # the KV this engine holds for its requests
         self.blocks = StoreBlocks(self.store, self.spec)
         self.eng = HFEngine(model, self.spec, self.blocks)
         self.planner = Planner(quick_profile(self.eng, self.shared), machine=machine_id())
@@ -82,11 +95,12 @@ class PrefillWorker:
 
         return after_layer
 
-    def connect(self, port: int) -> None:
+    def connect(self, port: int, peer: str) -> None:
         if self.sender is not None:
             self.sender.close()
         # no socket timeout: the link idles between requests; stalls are bounded by the credit timeout
-        self.sender = Sender(connect("127.0.0.1", port, timeout_s=None), Backpressure(), credit_timeout_s=60.0)
+        self.sender = Sender(connect("127.0.0.1", port, timeout_s=None), Backpressure(), credit_timeout_s=60.0,
+                             ledger=self.kv_ledger, owner=self.owner, peer=Owner.engine(peer))
 
     # ------------------------------------------------------------------ one request
     def _connected(self) -> Sender:
@@ -133,6 +147,8 @@ class PrefillWorker:
         t0 = time.perf_counter()
         keys = chain_keys(prompt, self.eng.key_ctx, include_partial=True)
         n = len(keys)
+        for k in keys:  # this request's KV, computed or loaded here, is the engine's until handed off
+            self.kv_ledger.register(k, self.owner)
         fallback: str | None = None
         try:
             hit = self.blocks.longest_prefix(keys[: (n_tok - 1) // bs])
@@ -201,6 +217,12 @@ class PrefillWorker:
                 if not h.done:
                     sender.abort(h, str(exc))
         done_s = time.perf_counter() - t0
+        handed = 0
+        if committed and h is not None and h.ledger_tid:
+            handed = sum(1 for r in self.kv_ledger.history if r.move is Move.HANDED_OFF and r.tid == h.ledger_tid)
+        for k in keys:  # not handed off (an aborted transfer): the engine frees it
+            if self.kv_ledger.knows(k):
+                self.kv_ledger.forget(k)
         return {
             "ok": True, "rid": rid, "first_token": first, "ttft_s": ttft, "handoff_s": done_s,
             "prompt_tokens": n_tok, "hit_tokens": hit * bs, "loaded_tokens": use * bs, "hit_tiers": tiers,
@@ -212,7 +234,8 @@ class PrefillWorker:
             "transfer_error": f"{type(errors[0]).__name__}: {errors[0]}" if errors else None,
             "credit_waits": (metrics.sample("transfer_credit_waits_total") or 0.0) - waits0,
             "credit_wait_s": (metrics.sample("transfer_credit_wait_seconds_sum") or 0.0) - wait_s0,
-            "admission_rejections": rejections,
+            "admission_rejections": rejections, "handed_off_blocks": handed,
+            "ledger_tid": h.ledger_tid if h is not None else "", "owned_after": len(self.kv_ledger),
         }
 
     def close(self) -> None:
@@ -225,7 +248,7 @@ def main(conn: Connection, cfg: dict[str, Any]) -> None:
     """Process entry: build the worker, answer control messages until ``stop``."""
     try:
         w = PrefillWorker(Path(cfg["model_dir"]), int(cfg["shared_port"]), int(cfg["threads"]),
-                          int(cfg["host_bytes"]))
+                          int(cfg["host_bytes"]), str(cfg.get("owner", "prefill")))
     except Exception as exc:  # the router reports it; nothing else can
         messages.send(conn, {"op": "ready", "ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return
@@ -233,7 +256,7 @@ def main(conn: Connection, cfg: dict[str, Any]) -> None:
                          if w.planner.profile else None})
 
     def connect(msg: dict[str, Any]) -> dict[str, Any]:
-        w.connect(int(msg["port"]))
+        w.connect(int(msg["port"]), str(msg["peer"]))
         return {"op": "connected"}
 
     messages.serve(conn, {"connect": connect, "prefill": lambda msg: {"op": "prefilled", **w.prefill(msg)}}, w.close)

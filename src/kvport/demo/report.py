@@ -82,6 +82,11 @@ def summarize(turns: list[Turn], *, raw_socket_gbps: float | None, block_size: i
         "backpressure": {"credit_waits": int(_sum(done, "prefill", "credit_waits")),
                          "credit_wait_s": round(_sum(done, "prefill", "credit_wait_s"), 4),
                          "admission_rejections": int(_sum(done, "prefill", "admission_rejections"))},
+        "ownership": {"handed_off_blocks": int(_sum(done, "prefill", "handed_off_blocks")),
+                      "acquired_blocks": int(_sum(done, "decode", "acquired_blocks")),
+                      "engine_blocks_owned_after_requests": int(max(
+                          [t.prefill.get("owned_after", 0) for t in done]
+                          + [t.decode.get("owned_after", 0) for t in done], default=0))},
         "decode_restarts": restarts,
         "after_restart": {"turns": sum(1 for t in done if t.after_restart),
                           "hit_tokens": int(sum(t.prefill.get("hit_tokens", 0) for t in done if t.after_restart)),
@@ -136,6 +141,10 @@ def render(console: Console, turns: list[Turn], summary: dict[str, Any]) -> None
         f"backpressure: {s['backpressure']['credit_waits']} credit waits "
         f"({s['backpressure']['credit_wait_s']:.3f} s), {s['backpressure']['admission_rejections']} admission "
         "rejections",
+        f"ownership: {s['ownership']['handed_off_blocks']} blocks handed off prefill -> decode and "
+        f"{s['ownership']['acquired_blocks']} acquired (each commit recorded in both engines' ledgers with "
+        f"its transfer id); blocks an engine still owned after its request: "
+        f"{s['ownership']['engine_blocks_owned_after_requests']}",
         f"decode worker restarts: {s['decode_restarts']}; after restart {s['after_restart']['turns']} turns reused "
         f"{s['after_restart']['hit_tokens']} tokens from the shared tier, outputs equal: "
         f"{s['after_restart']['outputs_equal']}",

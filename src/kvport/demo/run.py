@@ -162,16 +162,17 @@ def run(opts: DemoOptions | None = None, json_path: Path | None = None,
             progress.advance(setup)
             max_blocks = 1024  # 16k tokens: the decode worker's receive buffer, allocated once
             dcfg = {"model_dir": str(model_dir), "shared_port": port, "threads": opts.threads,
-                    "budget_bytes": opts.receive_budget_bytes, "max_blocks": max_blocks}
+                    "budget_bytes": opts.receive_budget_bytes, "max_blocks": max_blocks, "owner": "decode-1",
+                    "peer": "prefill"}
             pcfg = {"model_dir": str(model_dir), "shared_port": port, "threads": opts.threads,
-                    "host_bytes": 256 << 20}
+                    "host_bytes": 256 << 20, "owner": "prefill"}
             pw = _Worker("prefill-worker", prefill_worker.main, pcfg)
             dw = _Worker("decode-worker", decode_worker.main, dcfg)
             workers += [pw, dw]
             pw.ready(600)
             progress.advance(setup)
             dport = int(dw.ready(600)["port"])
-            pw.call({"op": "connect", "port": dport})
+            pw.call({"op": "connect", "port": dport, "peer": dcfg["owner"]})
             progress.advance(setup)
             raw_gbps = raw_socket_gbps(32 << 20, trials=2) if opts.measure_link else None
             progress.advance(setup)
@@ -204,10 +205,11 @@ def run(opts: DemoOptions | None = None, json_path: Path | None = None,
                     progress.update(task, description="restarting the decode worker")
                     dw.kill()
                     workers.remove(dw)
+                    dcfg = {**dcfg, "owner": f"decode-{restarts + 2}"}  # a new engine: a new owner
                     dw = _Worker("decode-worker", decode_worker.main, dcfg)
                     workers.append(dw)
                     dport = int(dw.ready(600)["port"])
-                    pw.call({"op": "connect", "port": dport})
+                    pw.call({"op": "connect", "port": dport, "peer": dcfg["owner"]})
                     restarts += 1
                     restarted = True
                     progress.update(task, description="kvport (prefill worker -> decode worker)")

@@ -440,6 +440,60 @@ class TieredStore:
 
         return self._read(key, read)
 
+    def get_many_into(self, items: Sequence[tuple[bytes, Buffer]]) -> list[int | None]:
+        """Batched :meth:`get_into`: runs of keys held by the same tier are read with one batched tier
+        call (a disk slab's neighbours with one ``preadv``); None for a key no working tier holds or
+        whose bytes failed their check (a clean miss, dropped from that tier)."""
+        out: list[int | None] = [None] * len(items)
+        with self._lock:
+            missing = [i for i, (k, _) in enumerate(items) if k not in self._meta]
+            if missing:
+                self._probe_shared(tuple(items[i][0] for i in missing), 0)
+            run: list[int] = []
+            run_tier: str | None = None
+
+            def flush() -> None:
+                if run_tier is None or not run:
+                    return
+                t = self.tiers[run_tier]
+                try:
+                    got = t.get_many_into([items[i] for i in run])
+                except TierUnavailableError:
+                    self._health.mark_broken(t)
+                    got = [None] * len(run)
+                for i, n in zip(run, got, strict=True):
+                    key = items[i][0]
+                    if n is None:
+                        self._forget_in(run_tier, key)
+                        try:  # a copy in another tier still serves it
+                            out[i] = self.get_into(key, items[i][1])
+                        except BlockNotFoundError:
+                            out[i] = None
+                        continue
+                    if key not in self._meta:  # dropped meanwhile with a parent that failed its check
+                        continue
+                    out[i] = n
+                    self._bytes_out[run_tier] += n
+                    _BYTES_OUT.labels(run_tier).inc(n)
+                    self._touch(key, run_tier)
+
+            for i, (k, _) in enumerate(items):
+                where = self._where(k) if k in self._meta else None
+                if where != run_tier:
+                    flush()
+                    run, run_tier = [], where
+                if where is not None:
+                    run.append(i)
+            flush()
+        return out
+
+    def contains(self, key: bytes) -> bool:
+        """Held by a working tier (shared tiers are asked about keys this store has not indexed)."""
+        with self._lock:
+            if key not in self._meta:
+                self._probe_shared((key,), 0)
+            return key in self._meta and self._where(key) is not None
+
     def read_views(self, key: bytes) -> ReadViews | None:
         """The block's bytes as read-only views of the top healthy tier's own memory, when that tier
         allows it (``caps.zero_copy_read``), else None (use :meth:`get_into`). Valid only while the
@@ -593,7 +647,8 @@ class TieredStore:
     def spill(self, from_tier: str) -> tuple[int, int]:
         """Demote every block of ``from_tier`` to the next tier its lifetime allows (a server's
         graceful shutdown: nobody reads any more, so leases do not hold blocks here); a block that
-        cannot move (no tier below, no room, a write that fails) stays and the rest go on.
+        cannot move (no tier below, no free room there -- nothing below is evicted for it --, a
+        write that fails) stays and the rest go on.
         Returns (moved, stayed)."""
         moved = stayed = 0
         with self._lock:
@@ -603,6 +658,10 @@ class TieredStore:
                 target = self._lower_target(from_tier, k)
                 if target is None:
                     stayed += 1
+                    continue
+                ix = self._idx[target]
+                if k not in ix and ix.used + self.tiers[target].charge(self._meta[k].size) > ix.capacity:
+                    stayed += 1  # no free room below: what is there is not evicted for it
                     continue
                 if k not in self._idx[target]:
                     try:

@@ -89,14 +89,16 @@ def _digest(key: bytes, payload: memoryview) -> int:
 
 class DiskTier(Tier):
     def __init__(self, dir: str | Path, capacity_bytes: int, *, fsync: bool = False, name: str = "disk",
-                 max_value_bytes: int = 1 << 30, refresh_s: float | None = 1.0) -> None:
+                 max_value_bytes: int = 1 << 30, refresh_s: float | None = 1.0, shared: bool = False) -> None:
         """``refresh_s``: how often a miss may rescan the folder for other processes' slabs
-        (None: never by itself; :meth:`refresh` still works)."""
+        (None: never by itself; :meth:`refresh` still works). ``shared``: other processes write the
+        folder while this one runs (engines sharing a local cache), so the store probes this tier
+        for what it has not indexed itself (``caps.shared``)."""
         self.name = name
         self.dir = Path(dir)
         self.fsync = fsync
         self._capacity = capacity_bytes
-        self.caps = TierCaps(persistent=True, shared=False, zero_copy_read=False, max_value_bytes=max_value_bytes)
+        self.caps = TierCaps(persistent=True, shared=shared, zero_copy_read=False, max_value_bytes=max_value_bytes)
         self._tmp = self.dir / "tmp"
         self._index: dict[bytes, _Loc] = {}
         self._live: dict[str, int] = {}  # slab -> entries not deleted

@@ -1,6 +1,7 @@
 """Scheduler-side bookkeeping of the connector: which blocks each step loads and saves.
 
-I/O-free except for the ``contains`` callable it is given, so it is tested without vLLM.
+I/O-free except for the store callables it is given (``contains``, and ``prefix`` for lookups),
+so it is tested without vLLM.
 
 Per request, in block units of ``B`` tokens (``keys[i]`` names prompt tokens ``[iB, (i+1)B)``)::
 
@@ -11,8 +12,10 @@ Per request, in block units of ``B`` tokens (``keys[i]`` names prompt tokens ``[
   least one prompt token is computed (vLLM needs it for the first logits).
 * ``after_alloc`` turns an accepted hit into a pending load of blocks ``[local/B, hit/B)``.
 * ``step`` resolves pending loads to vLLM block ids and emits the saves of every full prompt
-  block whose KV is computed by the end of this step and that the store does not hold yet.
-  Only prompt blocks are saved (generated tokens are not keyed).
+  block whose KV is computed by the end of this step and that the store does not hold yet, as
+  runs of consecutive blocks, each under its parent (the block before it in the chain), so the
+  store keeps the chain and evicts it leaves first. Only prompt blocks are saved (generated
+  tokens are not keyed).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class BlockCopy:
     req_id: str
     keys: tuple[BlockKey, ...]
     block_ids: tuple[int, ...]
+    parent: BlockKey | None = None  # the block before keys[0] in the chain (None at the root)
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.block_ids):
@@ -72,10 +76,14 @@ class ScheduledRequest:
 class Planner:
     """Per-request state between ``get_num_new_matched_tokens`` and the request's end."""
 
-    def __init__(self, ctx: KeyContext, contains: Callable[[BlockKey], bool]) -> None:
+    def __init__(self, ctx: KeyContext, contains: Callable[[BlockKey], bool],
+                 prefix: Callable[[Sequence[BlockKey]], int] | None = None) -> None:
+        """``contains(key)``: the store holds the block; ``prefix(keys)``: how many leading keys it
+        holds (one lookup; default: ``contains`` key by key)."""
         self.ctx = ctx
         self.block_size = ctx.block_size
         self._contains = contains
+        self._prefix = prefix
         self._reqs: dict[str, _Request] = {}
 
     def _state(self, req_id: str, prompt: Sequence[int], salt: bytes) -> _Request:
@@ -90,9 +98,12 @@ class Planner:
         """Tokens beyond ``local_tokens`` (block-aligned) that the store can supply."""
         st = self._state(req_id, prompt, salt)
         limit = min(len(st.keys), max(0, len(prompt) - 1) // self.block_size)
-        hit = 0
-        while hit < limit and self._contains(st.keys[hit]):
-            hit += 1
+        if self._prefix is not None:
+            hit = min(limit, self._prefix(st.keys[:limit])) if limit else 0
+        else:
+            hit = 0
+            while hit < limit and self._contains(st.keys[hit]):
+                hit += 1
         st.local_tokens = local_tokens
         st.hit_tokens = hit * self.block_size
         return max(0, st.hit_tokens - local_tokens)
@@ -130,9 +141,10 @@ class Planner:
             done = min(done, len(st.keys), len(st.block_ids))
             if done > st.saved_upto:
                 idx = [i for i in range(st.saved_upto, done) if not self._contains(st.keys[i])]
-                if idx:
-                    saves.append(BlockCopy(s.req_id, tuple(st.keys[i] for i in idx),
-                                           tuple(st.block_ids[i] for i in idx)))
+                for run in _runs(idx):
+                    saves.append(BlockCopy(s.req_id, tuple(st.keys[i] for i in run),
+                                           tuple(st.block_ids[i] for i in run),
+                                           st.keys[run[0] - 1] if run[0] else None))
                 st.saved_upto = done
         return StepPlan(tuple(loads), tuple(saves))
 
@@ -141,3 +153,14 @@ class Planner:
 
     def __len__(self) -> int:
         return len(self._reqs)
+
+
+def _runs(idx: list[int]) -> list[list[int]]:
+    """Consecutive runs of sorted indexes: [1, 2, 4] -> [[1, 2], [4]]."""
+    out: list[list[int]] = []
+    for i in idx:
+        if out and out[-1][-1] == i - 1:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out

@@ -13,8 +13,12 @@ A step loading more blocks than the staging holds is copied eagerly in staging-s
 ``begin_load`` (every layer at once), so correctness never depends on the staging size.
 
 Save: ``save(saves)`` copies each block's slab of every layer into a preallocated save slot and
-puts the step's blocks with one ``put_many`` (best effort: a full or broken tier loses the save,
-never the request).
+puts each run of blocks with one ``put_many`` under its parent (the store writes it as one batch
+per tier, evicts to make room, and keeps the chain; best effort: a store that cannot take it loses
+the save, never the request).
+
+Every byte goes through the store port (:func:`kvport.client.port.open_store`): the connector
+holds a :class:`~kvport.store.TieredStore`, never a tier.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from kvport import metrics
 from kvport.errors import TierError
 from kvport.keys import BlockKey
 from kvport.spec import KVSpec
-from kvport.tiers.base import Tier
+from kvport.store import TieredStore
 
 from .paged import PagedKV, Staging
 from .plan import BlockCopy
@@ -52,11 +56,11 @@ class WorkerStats:
 
 
 class BlockMover:
-    """Moves whole blocks between a tier and the paged KV; one instance per worker."""
+    """Moves whole blocks between the store and the paged KV; one instance per worker."""
 
-    def __init__(self, spec: KVSpec, tier: Tier, paged: PagedKV, staging_blocks: int) -> None:
+    def __init__(self, spec: KVSpec, store: TieredStore, paged: PagedKV, staging_blocks: int) -> None:
         self.spec = spec
-        self.tier = tier
+        self.store = store
         self.paged = paged
         self.staging = Staging(spec, staging_blocks)
         # save buffer: one slot per block of a batched put; touched now, like the staging
@@ -76,7 +80,7 @@ class BlockMover:
         want = self.spec.bytes_per_block
         items = [(key, self.staging.slot_view(slot0 + j)) for j, key in enumerate(keys)]
         try:
-            got = self.tier.get_many_into(items)
+            got = self.store.get_many_into(items)
         except TierError as exc:
             log.warning("kvport: load of %d blocks failed (%s); vLLM recomputes them", len(keys), exc)
             return 0
@@ -167,18 +171,24 @@ class BlockMover:
             self.stats.save_s += time.perf_counter() - t0
 
     def _save(self, saves: Sequence[BlockCopy]) -> None:
-        pairs = [(key, bid) for c in saves for key, bid in zip(c.keys, c.block_ids, strict=True)]
         cap = self._save_buf.shape[0]
-        for start in range(0, len(pairs), cap):
-            chunk = pairs[start : start + cap]
-            for j, (_, block_id) in enumerate(chunk):
-                self.paged.gather_block(block_id, self._save_buf[j])
-            try:  # one batch: a DiskTier writes it as one slab, read back later with one preadv
-                self.tier.put_many([(key, self._save_views[j]) for j, (key, _) in enumerate(chunk)])
-            except TierError as exc:
-                log.warning("kvport: save of %d blocks dropped (%s)", len(chunk), exc)
-                self.stats.saves_dropped += len(chunk)
-                _BLOCKS.labels(op="save_dropped").inc(len(chunk))
-                continue
-            self.stats.blocks_saved += len(chunk)
-            _BLOCKS.labels(op="saved").inc(len(chunk))
+        for c in saves:
+            parent = c.parent
+            for start in range(0, len(c.keys), cap):
+                chunk = list(zip(c.keys[start : start + cap], c.block_ids[start : start + cap], strict=True))
+                self._save_chunk(chunk, parent)
+                parent = chunk[-1][0]
+
+    def _save_chunk(self, chunk: list[tuple[BlockKey, int]], parent: BlockKey | None) -> None:
+        for j, (_, block_id) in enumerate(chunk):
+            self.paged.gather_block(block_id, self._save_buf[j])
+        items = [(key, self._save_views[j]) for j, (key, _) in enumerate(chunk)]
+        try:  # one batch: a DiskTier writes it as one slab, read back later with one preadv
+            self.store.put_many(items, parent=parent)
+        except TierError as exc:
+            log.warning("kvport: save of %d blocks dropped (%s)", len(chunk), exc)
+            self.stats.saves_dropped += len(chunk)
+            _BLOCKS.labels(op="save_dropped").inc(len(chunk))
+            return
+        self.stats.blocks_saved += len(chunk)
+        _BLOCKS.labels(op="saved").inc(len(chunk))

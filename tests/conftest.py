@@ -1,4 +1,11 @@
-"""Shared fixtures: a real redis-server on a free 127.0.0.1 port, the reference model folder."""
+"""Shared fixtures: a real redis-server on a free 127.0.0.1 port, the reference model folder.
+
+Tests of an optional part are skipped, naming the extra to install, where that extra's packages are
+not installed (the core-only environments of ``make wheelcheck``; tests/core_tests.txt lists the
+tests those run): a test module whose import, or a test whose run, fails for want of an optional
+package (torch, numba, transformers, vllm, ...) is reported as skipped, never as an error. Where the
+package is installed (``make test``'s own venv) nothing changes: a real ImportError still fails.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +15,54 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
+
+from kvport.extras import missing_extra_for
+
+
+def _needs_extra(exc: BaseException | None, user: str) -> str | None:
+    """The skip reason when ``exc`` (or what caused it) is the absence of an optional package."""
+    while exc is not None:
+        if isinstance(exc, ImportError):
+            err = missing_extra_for(exc, user)
+            if err is not None:
+                return str(err)
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+class _OptionalModule(pytest.Module):
+    """A test module that is skipped, not an error, when it imports an optional package that is missing."""
+
+    def _getobj(self) -> object:
+        try:
+            return super()._getobj()
+        except self.CollectError as exc:
+            reason = _needs_extra(exc.__cause__, self.path.name)
+            if reason is None:
+                raise
+            pytest.skip(reason, allow_module_level=True)
+
+
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> pytest.Module | None:
+    if module_path.name == "__init__.py":
+        return None
+    return _OptionalModule.from_parent(parent, path=module_path)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport,
+                                                                                           pytest.TestReport]:
+    report = yield
+    if report.failed and call.excinfo is not None:
+        reason = _needs_extra(call.excinfo.value, "this test")
+        if reason is not None:
+            report.outcome = "skipped"
+            report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {reason}")
+    return report
 
 
 def free_port() -> int:

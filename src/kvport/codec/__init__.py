@@ -10,9 +10,12 @@
 
 Codec ids and params are msgpack-able (``codec_to_dict``) and name the codec in block keys
 (``codec_key`` for ``KeyContext.codec_id``).
+
+``raw`` and ``lossless`` need numpy and zstandard only (core); ``int8``, ``kivi4`` and ``mixed`` run
+numba kernels (the ``codecs`` extra) and are imported on their first ``get_codec``.
 """
 
-from kvport.codec import int8, kivi4, lossless, mixed, raw  # noqa: F401  (registers the codecs)
+from kvport.codec import lossless, raw  # noqa: F401  (registers the core codecs; the lossy ones load on use)
 from kvport.codec.base import Codec, Encoded, KVShape
 from kvport.codec.frame import FrameInfo, decode_block, encode_block, max_frame_size, peek_header
 from kvport.codec.registry import codec_from_dict, codec_ids, codec_key, codec_to_dict, get_codec

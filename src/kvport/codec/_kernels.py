@@ -22,9 +22,16 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import numpy as np
-from llvmlite import ir  # type: ignore[import-untyped]
-from numba import njit, types  # type: ignore[import-untyped]
-from numba.extending import intrinsic, overload  # type: ignore[import-untyped]
+
+from kvport.extras import require
+
+try:
+    from llvmlite import ir  # type: ignore[import-untyped]
+    from numba import njit, types  # type: ignore[import-untyped]
+    from numba.extending import intrinsic, overload  # type: ignore[import-untyped]
+except ImportError:
+    require("codecs", "kvport's lossy codecs (int8, kivi4, mixed)")  # not installed: one line naming the extra
+    raise  # installed but broken: the original error
 
 _JIT: dict[str, Any] = {"cache": True, "nogil": True, "fastmath": True, "error_model": "numpy"}
 F = TypeVar("F", bound=Callable[..., Any])

@@ -17,9 +17,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from llvmlite import ir  # type: ignore[import-untyped]
-from numba import types  # type: ignore[import-untyped]
-from numba.core import cgutils  # type: ignore[import-untyped]
+from kvport.extras import require
+
+try:
+    from llvmlite import ir  # type: ignore[import-untyped]
+    from numba import types  # type: ignore[import-untyped]
+    from numba.core import cgutils  # type: ignore[import-untyped]
+except ImportError:
+    require("codecs", "the mixed codec")  # not installed: one line naming the extra
+    raise  # installed but broken: the original error
 
 from kvport.codec._kernels import _intrinsic, inline
 

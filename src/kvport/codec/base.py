@@ -16,26 +16,40 @@ Invariants every codec keeps:
   write indexes without a range check).
 * Hot paths reuse buffers: ``encode(..., out=buf)`` writes into a caller buffer, ``decode`` into the
   caller's tensors; kernels run on one thread.
+
+Inputs and destinations are numpy arrays or CPU torch tensors. torch is never imported here: a tensor
+can only be passed where torch is already imported, so ``sys.modules`` tells (the core runs without it).
 """
 
 from __future__ import annotations
 
 import abc
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias, cast
 
 import numpy as np
-import torch
 
 from kvport.errors import CodecParamsError
 from kvport.spec import DType, KVSpec
 
-ArrayLike = torch.Tensor | np.ndarray
+if TYPE_CHECKING:
+    import torch
+
+ArrayLike: TypeAlias = "torch.Tensor | np.ndarray"
 
 _NP_BITS: dict[DType, np.dtype[Any]] = {
     DType.BF16: np.dtype(np.uint16), DType.FP16: np.dtype(np.float16), DType.FP32: np.dtype(np.float32)}
-_TORCH = {DType.BF16: torch.bfloat16, DType.FP16: torch.float16, DType.FP32: torch.float32}
+_TORCH_NAMES = {DType.BF16: "bfloat16", DType.FP16: "float16", DType.FP32: "float32"}
+
+
+def _torch_tensor(x: object) -> torch.Tensor | None:
+    """``x`` if it is a torch tensor (torch already imported by whoever made it), else None."""
+    torch_mod = sys.modules.get("torch")
+    if torch_mod is not None and isinstance(x, torch_mod.Tensor):
+        return cast("torch.Tensor", x)
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,8 +198,8 @@ class Codec(abc.ABC):
                 raise CodecParamsError(f"{self.codec_id}: out buffer is read-only")
         imp = None
         if importance is not None:
-            imp = np.asarray(importance.detach().float().numpy() if isinstance(importance, torch.Tensor)
-                             else importance, dtype=np.float32)
+            timp = _torch_tensor(importance)
+            imp = np.asarray(timp.detach().float().numpy() if timp is not None else importance, dtype=np.float32)
             if imp.ndim == 1:
                 imp = np.broadcast_to(imp, (kshape.layers, imp.shape[0]))
             if imp.shape != (kshape.layers, kshape.tokens):
@@ -225,13 +239,16 @@ class Codec(abc.ABC):
 
 def as_kv_array(x: ArrayLike, name: str, writable: bool = False) -> tuple[np.ndarray, KVShape]:
     """A zero-copy numpy view of a 4-D KV tensor (bf16 as its uint16 bit pattern) and its shape."""
-    if isinstance(x, torch.Tensor):
-        if x.device.type != "cpu":
-            raise CodecParamsError(f"{name} must be a CPU tensor, got {x.device}")
-        dt = next((d for d, t in _TORCH.items() if t == x.dtype), None)
+    tensor = _torch_tensor(x)
+    if tensor is not None:
+        import torch  # already imported: x is one of its tensors
+
+        if tensor.device.type != "cpu":
+            raise CodecParamsError(f"{name} must be a CPU tensor, got {tensor.device}")
+        dt = next((d for d, n in _TORCH_NAMES.items() if getattr(torch, n) == tensor.dtype), None)
         if dt is None:
-            raise CodecParamsError(f"{name}: unsupported dtype {x.dtype}")
-        arr = (x.view(torch.int16).numpy().view(np.uint16) if dt is DType.BF16 else x.numpy())
+            raise CodecParamsError(f"{name}: unsupported dtype {tensor.dtype}")
+        arr = (tensor.view(torch.int16).numpy().view(np.uint16) if dt is DType.BF16 else tensor.numpy())
     elif isinstance(x, np.ndarray):
         arr = x
         dt = next((d for d, t in _NP_BITS.items() if t == x.dtype), None)
@@ -261,7 +278,11 @@ def check_against_spec(shape: KVShape, spec: KVSpec) -> None:
 
 
 def torch_dtype(dt: DType) -> torch.dtype:
-    return _TORCH[dt]
+    """The torch dtype of ``dt`` (for callers that use torch: imports it)."""
+    import torch
+
+    dtype: torch.dtype = getattr(torch, _TORCH_NAMES[dt])
+    return dtype
 
 
 def np_dtype(dt: DType) -> np.dtype[Any]:

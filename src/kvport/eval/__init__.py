@@ -2,11 +2,17 @@
 
 ``evaluate(model, tokenizer, codecs, QualityOptions(tokens, windows, sets))`` -> :class:`QualityReport`;
 ``kvport eval quality --codec NAME`` is the command-line form; :func:`provenance` is the block it
-writes beside the report (date, command, commit).
+writes beside the report (date, command, commit). Needs the ``eval`` extra (torch, transformers, numba).
 """
 
-from kvport.eval.provenance import provenance
-from kvport.eval.quality import CodecQuality, QualityOptions, QualityReport, evaluate
-from kvport.eval.texts import TEXT_SETS, windows
+from kvport.extras import require
+
+try:
+    from kvport.eval.provenance import provenance
+    from kvport.eval.quality import CodecQuality, QualityOptions, QualityReport, evaluate
+    from kvport.eval.texts import TEXT_SETS, windows
+except ImportError:
+    require("eval", __name__)  # torch, transformers or numba not installed: one line naming the extra
+    raise  # installed but broken: the original error
 
 __all__ = ["TEXT_SETS", "CodecQuality", "QualityOptions", "QualityReport", "evaluate", "provenance", "windows"]

@@ -4,9 +4,13 @@ Public API: :class:`Tier`, :class:`TierCaps` (:mod:`kvport.tiers.base`), :class:
 :class:`DiskTier`, :class:`RedisTier`, :class:`DeviceTier` (only usable when CUDA exists),
 :class:`FaultTier` (wraps a tier and injects faults, for tests and chaos runs), :class:`CodecTier`
 (wraps a tier and keeps its blocks codec-encoded: the per-tier codec).
+
+All of them import without torch or numba (the core install): :class:`DeviceTier` and pinned host
+memory import torch when used, a lossy codec loads its numba kernels on its first ``get_codec``.
 """
 
 from kvport.tiers.base import Buffer, Tier, TierCaps, byte_view, writable_view
+from kvport.tiers.codec_tier import CodecTier
 from kvport.tiers.device import DeviceTier
 from kvport.tiers.disk import DiskTier
 from kvport.tiers.faults import FaultTier
@@ -16,12 +20,3 @@ from kvport.tiers.redis_tier import RedisTier
 __all__ = ["Buffer", "CodecTier", "DeviceTier", "DiskTier", "FaultTier", "HostTier", "RedisTier", "Tier", "TierCaps",
            "byte_view", "writable_view"]
 
-
-def __getattr__(name: str) -> object:
-    """``CodecTier`` on first use: it needs the codecs (torch, numba), which a tier user without one
-    (the server, a plain store) should not pay for in start-up time and resident memory."""
-    if name == "CodecTier":
-        from kvport.tiers.codec_tier import CodecTier
-
-        return CodecTier
-    raise AttributeError(f"module 'kvport.tiers' has no attribute {name!r}")

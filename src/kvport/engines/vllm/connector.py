@@ -36,13 +36,19 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from kvport.extras import require
+
+try:
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:
+    require("vllm", __name__)  # no vLLM, or another release (its modules move): one line saying so
+    raise  # vLLM 0.32.0 installed but broken: the original error
 
 from kvport.engines.vllm.gate import gate
 from kvport.keys import KeyContext
@@ -56,6 +62,8 @@ from .identity import check_expected, engine_spec
 from .paged import PagedKV
 from .plan import BlockCopy, Planner, ScheduledRequest, StepPlan
 from .worker import BlockMover, WorkerStats
+
+require("vllm", __name__)  # another release that imports is refused too: hooks and layouts change between them
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

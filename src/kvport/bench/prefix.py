@@ -72,12 +72,11 @@ def _stats(ts: list[float]) -> dict[str, float]:
 def _hf(tokens: int, cached: int, trials: int, prefetch: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     import torch
 
+    from kvport.client.port import StoreConfig, open_store
     from kvport.engines.hf import HFEngine, Lifetime, StoreBlocks
     from kvport.engines.hf.prefetch import weight_prefetch
     from kvport.refmodel import load
     from kvport.spec import DType, from_hf_config
-    from kvport.store import TieredStore
-    from kvport.tiers import HostTier
 
     model_dir = Settings.from_env().model_dir
     model, _ = load(model_dir)
@@ -86,8 +85,9 @@ def _hf(tokens: int, cached: int, trials: int, prefetch: bool) -> tuple[dict[str
     if not 0 < cached < tokens or cached % bs:
         raise KVPortError(f"cached must be a positive multiple of {bs} below tokens, got {cached} of {tokens}")
     n_blocks = cached // bs
-    store = TieredStore([HostTier((tokens // bs + 2) * spec.bytes_per_block, spec.bytes_per_block)])
-    empty = TieredStore([HostTier(4 * spec.bytes_per_block, spec.bytes_per_block, name="empty")])
+    bb = spec.bytes_per_block
+    store = open_store(StoreConfig(block_bytes=bb, host_bytes=(tokens // bs + 2) * bb))  # the engines' one port
+    empty = open_store(StoreConfig(block_bytes=bb, host_bytes=4 * bb))
     hit_blocks, zero_blocks = StoreBlocks(store, spec), StoreBlocks(empty, spec)
     eng = HFEngine(model, spec, hit_blocks, prefetch_weights=prefetch)
     zero = HFEngine(model, spec, zero_blocks, prefetch_weights=prefetch)

@@ -60,3 +60,11 @@ def test_staging_pool_reuses_and_never_exceeds_its_limit() -> None:
 def test_limits_refuse_nan_infinite_and_non_positive_times(field: str, bad: float) -> None:
     with pytest.raises(ConfigError, match=field):
         ServerLimits(**{field: bad})  # type: ignore[arg-type]
+
+
+def test_a_max_value_whose_staging_class_exceeds_the_inflight_budget_is_refused_at_start() -> None:
+    from kvport.server.app import ServerConfig
+
+    ServerConfig(limits=ServerLimits(max_value_bytes=32 * MiB, total_inflight_bytes=32 * MiB))
+    with pytest.raises(ConfigError, match="at least 67108864"):  # 48 MiB -> a 64 MiB staging buffer
+        ServerConfig(limits=ServerLimits(max_value_bytes=48 * MiB, total_inflight_bytes=48 * MiB))

@@ -41,6 +41,7 @@ from kvport.server.handlers import Handlers
 from kvport.server.http import HttpEndpoint
 from kvport.server.limits import ServerLimits
 from kvport.server.metrics import ServerMetrics
+from kvport.server.staging import size_class
 from kvport.server.storage import DISK, HOST, host_pool_bytes, open_storage
 from kvport.server.tenants import TenantTable, load_or_create_secret, load_tenants
 
@@ -72,8 +73,12 @@ class ServerConfig:
             raise ConfigError("--tls-cert and --tls-key go together")
         if self.page_bytes < 4096 or self.page_bytes & (self.page_bytes - 1):
             raise ConfigError("page size must be a power of two of at least 4 KiB")
-        if self.limits.max_value_bytes > self.limits.total_inflight_bytes:
-            raise ConfigError("max value must fit the in-flight budget")
+        if size_class(self.limits.max_value_bytes) > self.limits.total_inflight_bytes:
+            # staging buffers come in power-of-two classes: a value of max_value_bytes takes one such
+            # class, which must fit the in-flight budget, or that value would answer "busy" forever
+            raise ConfigError(f"--inflight {self.limits.total_inflight_bytes} must hold a staging buffer for the "
+                              f"largest value: at least {size_class(self.limits.max_value_bytes)} bytes "
+                              f"(--max-value {self.limits.max_value_bytes} rounded up to a power of two)")
         if not 0 <= self.io_threads <= 64:
             raise ConfigError(f"io threads must be 0..64, got {self.io_threads}")
 

@@ -183,6 +183,14 @@ class Journal:
                 tmp.unlink()
             raise _mapped(exc, f"cannot write journal {self.path}") from exc
 
+    def open_append(self) -> None:
+        """Append to the journal as it is (when it cannot be rewritten: a full disk)."""
+        if self._f is None:
+            try:
+                self._f = open(self.path, "ab")  # noqa: SIM115 - held open for appends until close()
+            except OSError as exc:
+                raise _mapped(exc, f"cannot open journal {self.path}") from exc
+
     def add(self, key: bytes, length: int, meta: BlockMeta) -> None:
         self._append(encode_add(key, length, meta))
 

@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvport.errors import BlockNotFoundError, BufferMismatchError, CorruptBlockError, TierError
+from kvport.errors import BlockNotFoundError, BufferMismatchError, CorruptBlockError, TierError, TierFullError
 from kvport.tiers.base import BlockMeta, Buffer, Tier, TierCaps, byte_view, writable_view
 from kvport.tiers.journal import Entry, Journal
 
@@ -267,7 +267,11 @@ class PagedTier(Tier):
                 kept.append(e)
                 accounted.update(pks)
         self.quarantined = on_disk - accounted
-        self.journal.rewrite(kept)
+        try:
+            self.journal.rewrite(kept)
+        except TierFullError:  # no room to compact (a full disk): keep appending to the journal as it is
+            log.warning("%s: disk full, journal not compacted; appending to it as it is", self.name)
+            self.journal.open_append()
         if self.quarantined or len(kept) != len(rep.live):
             log.warning("%s: recovered %d values; %d records without all their pages dropped; %d pages no record "
                         "accounts for kept in quarantine", self.name, len(kept), len(rep.live) - len(kept),

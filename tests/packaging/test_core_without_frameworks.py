@@ -15,8 +15,9 @@ from tests.packaging.blocked import OPTIONAL, run_blocked, run_cli_blocked
 
 def test_core_packages_import_without_optional_packages() -> None:
     p = run_blocked(
-        "import kvport.tiers, kvport.store, kvport.ledger, kvport.transfer, kvport.server, kvport.codec, "
-        "kvport.planner, kvport.cli.main, kvport.cli.serve_cmd, kvport.cli.doctor_cmd\n"
+        "import kvport.tiers, kvport.store, kvport.ledger, kvport.transfer, kvport.server, kvport.protocol, "
+        "kvport.client, kvport.codec, kvport.planner, kvport.cli.main, kvport.cli.serve_cmd, kvport.cli.inspect_cmd, "
+        "kvport.cli.doctor_cmd\n"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {OPTIONAL!r}))")
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"

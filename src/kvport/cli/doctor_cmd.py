@@ -148,7 +148,8 @@ def extra_check(name: str, probe: dict[str, Any] | None) -> Check:
         return Check(f"extra {name}", Status.UNUSABLE, f"{extra.enables}: {module or 'import'}: {err}",
                      reinstall_fix(module, err))
     found_dist = installed_version(name)
-    versions = f"{found_dist[0]} {found_dist[1]}" if found_dist else _versions(extra.imports)
+    versions = (f"{found_dist[0]} {found_dist[1]}, the release kvport supports" if found_dist
+                else _versions(extra.imports))
     return Check(f"extra {name}", Status.OK, f"{extra.enables}: {versions}")
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvport.client.port import StoreConfig, open_store
 from kvport.engines.vllm.config import ConnectorConfig
 from kvport.engines.vllm.identity import check_expected, engine_spec
 from kvport.engines.vllm.paged import PagedKV
@@ -16,7 +17,6 @@ from kvport.engines.vllm.worker import BlockMover
 from kvport.errors import ConfigError, EngineError, IncompatibleSpecError
 from kvport.keys import KeyContext, chain_keys
 from kvport.spec import DType, KVSpec, Layout
-from kvport.client.port import StoreConfig, open_store
 from kvport.store import TieredStore
 from kvport.tiers.disk import DiskTier
 

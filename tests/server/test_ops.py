@@ -86,3 +86,40 @@ def test_tls_end_to_end(server_factory, tmp_path) -> None:  # type: ignore[no-un
     c.close()
     with pytest.raises(TierUnavailableError):  # a plaintext client cannot talk to a TLS server
         srv.client(retries=0, timeout_s=3)
+
+
+def test_a_start_that_fails_half_way_leaves_nothing_open(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The HTTP port is taken: start() raises ConfigError after the store, the disk folder's lock and the
+    listener were opened, and closes them again (the same folder then serves another server)."""
+    import asyncio
+    import dataclasses
+    import socket
+
+    import psutil
+
+    from kvport.errors import ConfigError
+    from kvport.server.app import KVServer, ServerConfig
+    from kvport.server.limits import ServerLimits
+
+    async def scenario() -> None:
+        blocker = socket.create_server(("127.0.0.1", 0))
+        busy = int(blocker.getsockname()[1])
+        limits = ServerLimits(max_value_bytes=4 * MiB, total_inflight_bytes=8 * MiB)
+        rss = psutil.Process().memory_info().rss  # the host pool is what the capacity leaves above this
+        cfg = ServerConfig(capacity_bytes=rss + 80 * MiB, disk_dir=tmp_path / "disk", http_port=busy, limits=limits,
+                           io_threads=2)
+        failed = KVServer(cfg)
+        try:
+            with pytest.raises(ConfigError, match=f"--http-port {busy}"):
+                await failed.start()
+        finally:
+            blocker.close()
+        assert failed.port != 0
+        with pytest.raises(ConnectionRefusedError):  # its listener is closed
+            socket.create_connection(("127.0.0.1", failed.port), timeout=5).close()
+        rss = psutil.Process().memory_info().rss
+        ok = KVServer(dataclasses.replace(cfg, http_port=None, capacity_bytes=rss + 80 * MiB))  # the lock is free
+        await ok.start()
+        await ok.shutdown()
+
+    asyncio.run(scenario())

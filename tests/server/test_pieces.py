@@ -68,3 +68,16 @@ def test_a_max_value_whose_staging_class_exceeds_the_inflight_budget_is_refused_
     ServerConfig(limits=ServerLimits(max_value_bytes=32 * MiB, total_inflight_bytes=32 * MiB))
     with pytest.raises(ConfigError, match="at least 67108864"):  # 48 MiB -> a 64 MiB staging buffer
         ServerConfig(limits=ServerLimits(max_value_bytes=48 * MiB, total_inflight_bytes=48 * MiB))
+
+
+def test_server_config_refuses_what_the_cli_could_pass_through() -> None:
+    from kvport.server.app import ServerConfig
+
+    with pytest.raises(ConfigError, match="--disk-capacity"):
+        ServerConfig(disk_capacity_bytes=4096, page_bytes=MiB)
+    with pytest.raises(ConfigError, match="--http-port"):
+        ServerConfig(http_port=70000)
+    with pytest.raises(ConfigError, match="KVPORT_AUTH_TOKEN"):  # a default-tenant token beyond loopback: 8+ chars
+        ServerConfig(host="0.0.0.0", auth_token="x")
+    ServerConfig(host="0.0.0.0", auth_token="12345678")
+    ServerConfig(host="127.0.0.1", auth_token="x")  # loopback: any token (or none)

@@ -44,9 +44,11 @@ from kvport.server.metrics import ServerMetrics
 from kvport.server.staging import size_class
 from kvport.server.storage import DISK, HOST, host_pool_bytes, open_storage
 from kvport.server.tenants import TenantTable, load_or_create_secret, load_tenants
+from kvport.store import TieredStore
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
+MIN_TOKEN_CHARS = 8  # as a tenants file requires of every token
 DEFAULT_IO_THREADS = 4  # bench server on 2 cores: 1 -> 2.3, 2 -> 2.5-2.6, 4 -> 2.5-2.7 GB/s
 
 
@@ -81,6 +83,17 @@ class ServerConfig:
                               f"(--max-value {self.limits.max_value_bytes} rounded up to a power of two)")
         if not 0 <= self.io_threads <= 64:
             raise ConfigError(f"io threads must be 0..64, got {self.io_threads}")
+        if self.capacity_bytes <= 0:
+            raise ConfigError(f"--capacity must be positive, got {self.capacity_bytes}")
+        if self.disk_capacity_bytes is not None and self.disk_capacity_bytes < self.page_bytes:
+            raise ConfigError(f"--disk-capacity {self.disk_capacity_bytes} must hold at least one page "
+                              f"(--page-size {self.page_bytes} bytes)")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ConfigError(f"--http-port must be 0..65535, got {self.http_port}")
+        if (self.tenants_file is None and self.auth_token is not None and len(self.auth_token) < MIN_TOKEN_CHARS
+                and not is_loopback(self.host)):
+            raise ConfigError(f"KVPORT_AUTH_TOKEN is shorter than {MIN_TOKEN_CHARS} characters: listening on "
+                              f"{self.host!r} (beyond loopback) requires a token of at least {MIN_TOKEN_CHARS}")
 
 
 def _tls_context(cfg: ServerConfig) -> ssl.SSLContext | None:
@@ -110,34 +123,56 @@ class KVServer:
         self._io = BulkIO(0)
 
     async def start(self) -> None:
+        """Bind, open and start everything, or (ConfigError) leave nothing behind: a start that fails
+        half-way closes what it opened (listeners, I/O threads, tiers, the disk folder's lock)."""
         cfg = self.cfg
         tenants_list = load_tenants(cfg.tenants_file, cfg.auth_token)
-        secret = load_or_create_secret(cfg.disk_dir) if cfg.disk_dir else secrets.token_bytes(32)
+        try:
+            secret = load_or_create_secret(cfg.disk_dir) if cfg.disk_dir else secrets.token_bytes(32)
+        except OSError as exc:  # creating the folder (missing parent, read-only, not a folder)
+            raise ConfigError(f"--disk {cfg.disk_dir}: {exc.strerror or exc}") from exc
         tenants = TenantTable(tenants_list, secret)
         if not is_loopback(cfg.host) and not tenants.all_have_tokens():
             raise ConfigError(f"listening on {cfg.host!r} (beyond loopback) requires a token for every tenant")
         tls = _tls_context(cfg)
         host_bytes = host_pool_bytes(cfg.capacity_bytes, cfg.limits.total_inflight_bytes, cfg.page_bytes)
-        store = open_storage(host_bytes, cfg.page_bytes, cfg.disk_dir,
-                             cfg.disk_capacity_bytes or 4 * cfg.capacity_bytes, tenants.quotas(),
+        disk_bytes = 4 * cfg.capacity_bytes if cfg.disk_capacity_bytes is None else cfg.disk_capacity_bytes
+        store = open_storage(host_bytes, cfg.page_bytes, cfg.disk_dir, disk_bytes, tenants.quotas(),
                              cfg.limits.max_value_bytes)
-        self.h = Handlers(store, tenants, cfg.limits, ServerMetrics(), cfg.page_bytes)
-        self._io = BulkIO(cfg.io_threads)
         try:
-            self._lsock = socket.create_server((cfg.host, cfg.port), backlog=256)
-        except OSError as exc:
-            raise ConfigError(f"cannot listen on {cfg.host}:{cfg.port}: {exc}") from exc
-        self.port = int(self._lsock.getsockname()[1])
-        if tls is None:
-            self._lsock.setblocking(False)
-            self._accept = asyncio.create_task(self._accept_loop(self._lsock))
-        else:
-            self._tls_server = await asyncio.start_server(
-                self._tls_conn, sock=self._lsock, ssl=tls, ssl_handshake_timeout=cfg.limits.handshake_timeout_s)
-        if cfg.http_port is not None:
-            self._http = HttpEndpoint(cfg.host, cfg.http_port, lambda: not self.h.draining, self.h.tick)
-            self.http_port = await self._http.start()
+            self.h = Handlers(store, tenants, cfg.limits, ServerMetrics(), cfg.page_bytes)
+            self._io = BulkIO(cfg.io_threads)
+            try:
+                self._lsock = socket.create_server((cfg.host, cfg.port), backlog=256)
+            except (OSError, OverflowError) as exc:
+                raise ConfigError(f"--listen: cannot listen on {cfg.host}:{cfg.port}: {exc}") from exc
+            self.port = int(self._lsock.getsockname()[1])
+            if tls is None:
+                self._lsock.setblocking(False)
+                self._accept = asyncio.create_task(self._accept_loop(self._lsock))
+            else:
+                self._tls_server = await asyncio.start_server(
+                    self._tls_conn, sock=self._lsock, ssl=tls, ssl_handshake_timeout=cfg.limits.handshake_timeout_s)
+            if cfg.http_port is not None:
+                self._http = HttpEndpoint(cfg.host, cfg.http_port, lambda: not self.h.draining, self.h.tick)
+                self.http_port = await self._http.start()
+        except BaseException:
+            await self._undo_start(store)
+            raise
         self._tick = asyncio.create_task(self._ticker())
+
+    async def _undo_start(self, store: TieredStore) -> None:
+        """Close what a failed :meth:`start` opened, in the order :meth:`shutdown` does."""
+        if self._accept is not None:
+            self._accept.cancel()
+        if self._tls_server is not None:
+            self._tls_server.close()
+        if self._lsock is not None:
+            self._lsock.close()
+        self._io.close()
+        if self._http is not None:
+            await self._http.close()
+        _close_store(store)
 
     # ------------------------------------------------------------ connections
     async def _accept_loop(self, lsock: socket.socket) -> None:
@@ -214,12 +249,16 @@ class KVServer:
         if self.cfg.spill_on_shutdown and DISK in store.tiers:
             moved, stayed = store.spill(HOST)
             log.info("spilled %d host blocks to disk (%d stayed: no room)", moved, stayed)
-        for tier in store.tiers.values():
-            try:
-                tier.close()
-            except TierError as exc:
-                log.warning("closing %s: %s", tier.name, exc)
-        store.close()
+        _close_store(store)
+
+
+def _close_store(store: TieredStore) -> None:
+    for tier in store.tiers.values():
+        try:
+            tier.close()
+        except TierError as exc:
+            log.warning("closing %s: %s", tier.name, exc)
+    store.close()
 
 
 async def serve(cfg: ServerConfig, announce: bool = True) -> None:

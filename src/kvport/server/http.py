@@ -8,8 +8,11 @@ server accepts work and 503 ``draining`` during a graceful shutdown.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 from collections.abc import Callable
 
+from kvport.errors import ConfigError
 from kvport.metrics import exposition
 
 _MAX_HEAD = 8 << 10
@@ -45,7 +48,13 @@ class HttpEndpoint:
         self._server: asyncio.Server | None = None
 
     async def start(self) -> int:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=_MAX_HEAD)
+        """Listen; a port that cannot be bound (in use, privileged, out of range) is a ConfigError."""
+        try:
+            self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=_MAX_HEAD)
+        except (OSError, OverflowError) as exc:
+            errno = exc.errno if isinstance(exc, OSError) and not isinstance(exc, socket.gaierror) else None
+            reason = os.strerror(errno) if errno else str(exc)  # "Address already in use", not asyncio's prose
+            raise ConfigError(f"--http-port {self.port}: cannot listen on {self.host}:{self.port}: {reason}") from exc
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
 

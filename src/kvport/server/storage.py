@@ -18,6 +18,8 @@ on PUT, resent on GET instead of hashing the value again).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,9 +52,19 @@ class Attrs:
         return cls(raw[:KEY_BYTES], raw[KEY_BYTES:])
 
 
+@contextmanager
+def _allocating(nbytes: int, flag: str) -> Iterator[None]:
+    """The host pool is allocated (and pre-faulted) at start: a size the machine cannot map is the flag's fault."""
+    try:
+        yield
+    except (OSError, OverflowError, MemoryError) as exc:
+        raise ConfigError(f"{flag}: cannot allocate a host pool of {nbytes} bytes: {exc}") from exc
+
+
 def host_pool_bytes(capacity_bytes: int, inflight_bytes: int, page_bytes: int) -> int:
     """The host pool: whatever the process budget leaves after the measured baseline and staging."""
-    HostTier(page_bytes, page_bytes, pin=False).close()  # load the pool's libraries first
+    with _allocating(page_bytes, "--page-size"):
+        HostTier(page_bytes, page_bytes, pin=False).close()  # load the pool's libraries first
     baseline = int(psutil.Process().memory_info().rss)
     host_bytes = capacity_bytes - baseline - inflight_bytes - MiB
     if host_bytes < _MIN_HOST_PAGES * page_bytes:
@@ -64,8 +76,9 @@ def host_pool_bytes(capacity_bytes: int, inflight_bytes: int, page_bytes: int) -
 def open_storage(host_bytes: int, page_bytes: int, disk_dir: Path | None, disk_capacity: int,
                  quotas: dict[str, int], max_value_bytes: int, eviction: str = "lru") -> TieredStore:
     """The server's store; a ``disk_dir`` another process holds is refused (ConfigError)."""
-    host = PagedTier(HostTier(host_bytes, page_bytes, pin=False, name="server-host"), page_bytes, name=HOST,
-                     max_value_bytes=max_value_bytes)
+    with _allocating(host_bytes, "--capacity"):
+        pool = HostTier(host_bytes, page_bytes, pin=False, name="server-host")
+    host = PagedTier(pool, page_bytes, name=HOST, max_value_bytes=max_value_bytes)
     tiers = [host]
     if disk_dir is not None:
         from kvport.tiers.disk import DiskTier

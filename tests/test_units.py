@@ -37,3 +37,22 @@ def test_bad_bandwidths(bad: str) -> None:
 def test_format_bytes() -> None:
     assert format_bytes(8 * 1024**3) == "8.00 GiB"
     assert format_bytes(512) == "512 B"
+
+
+@pytest.mark.parametrize("bad", ["0.4", "0.5", "1e-10GiB", "0.0001 KiB"])
+def test_a_size_below_one_byte_is_refused_not_zero(bad: str) -> None:
+    # round() made these 0, and callers read 0 as "unset" (`size or default`) or divide by it
+    with pytest.raises(UnitError, match="less than one byte"):
+        parse_size(bad)
+
+
+def test_a_size_too_large_for_a_float_is_a_unit_error() -> None:
+    with pytest.raises(UnitError, match="too large"):  # was OverflowError from round(inf)
+        parse_size("1e300GiB")
+    assert parse_size("0.6") == 1 and parse_size("1e3 kB") == 10**6
+
+
+@pytest.mark.parametrize("bad", ["1e300GiB/s", "1e-300GiB/s", "0.5B/s", "1e-12Gbps"])
+def test_bandwidths_beyond_a_float_or_below_one_byte_per_second(bad: str) -> None:
+    with pytest.raises(UnitError, match=r"too large|less than one byte"):
+        parse_bandwidth(bad)

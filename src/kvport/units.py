@@ -56,7 +56,8 @@ def _split(text: str, what: str, choices: str) -> tuple[float, str]:
 
 
 def parse_size(text: str | int) -> int:
-    """``"80GiB"`` -> 85899345920. Must be positive."""
+    """``"80GiB"`` -> 85899345920. Must be at least one byte: a fraction that rounds to 0 bytes
+    (``"0.4"``) is refused, never returned as 0 (callers read 0 as "unset" or divide by it)."""
     if isinstance(text, int):
         if text <= 0:
             raise UnitError(f"size must be positive, got {text}")
@@ -64,7 +65,13 @@ def parse_size(text: str | int) -> int:
     value, unit = _split(text, "size", _SIZE_CHOICES)
     if unit not in _SIZE_UNITS:
         raise UnitError(f"unknown size unit {unit!r} in {text!r}: expected one of {_SIZE_CHOICES}")
-    return round(value * _SIZE_UNITS[unit])
+    nbytes = value * _SIZE_UNITS[unit]
+    if not math.isfinite(nbytes):
+        raise UnitError(f"size {text!r} is too large")
+    if round(nbytes) < 1:
+        raise UnitError(f"size {text!r} is less than one byte: sizes must be positive (a unit missing? "
+                        f"expected one of {_SIZE_CHOICES})")
+    return round(nbytes)
 
 
 def parse_bandwidth(text: str | float) -> float:
@@ -75,10 +82,17 @@ def parse_bandwidth(text: str | float) -> float:
         return float(text)
     value, unit = _split(text, "bandwidth", _BW_CHOICES)
     if unit in _BIT_UNITS:
-        return value * _BIT_UNITS[unit] / 8.0
-    if unit.endswith("/s") and unit[:-2] in _SIZE_UNITS and unit[:-2] != "":
-        return value * _SIZE_UNITS[unit[:-2]]
-    raise UnitError(f"unknown bandwidth unit {unit!r} in {text!r}: expected one of {_BW_CHOICES}")
+        bps = value * _BIT_UNITS[unit] / 8.0
+    elif unit.endswith("/s") and unit[:-2] in _SIZE_UNITS and unit[:-2] != "":
+        bps = value * _SIZE_UNITS[unit[:-2]]
+    else:
+        raise UnitError(f"unknown bandwidth unit {unit!r} in {text!r}: expected one of {_BW_CHOICES}")
+    if not math.isfinite(bps):
+        raise UnitError(f"bandwidth {text!r} is too large")
+    if bps < 1.0:
+        raise UnitError(f"bandwidth {text!r} is less than one byte per second: a unit missing? "
+                        f"expected one of {_BW_CHOICES}")
+    return bps
 
 
 def format_bytes(n: float) -> str:

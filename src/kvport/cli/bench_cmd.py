@@ -8,6 +8,7 @@ import click
 
 from kvport.bench import SUITES
 from kvport.bench.harness import Report, SuiteOptions
+from kvport.cli._params import writable_file
 from kvport.cli._run import parse_key_values
 from kvport.errors import UserInputError
 
@@ -31,12 +32,16 @@ def bench(suite: str, quick: bool, json_path: str | None, sets: tuple[str, ...],
           capacity: str | None) -> None:
     """Run benchmark SUITE and print its JSON report (suite, conditions, limits, results)."""
     extra = parse_key_values(sets, "--set")
+    if json_path:
+        writable_file(json_path, "--json")  # now, not after a run of minutes
     if trace_path is not None:
         extra["trace"] = trace_path
     if capacity is not None:
         extra["capacity"] = capacity
     report = run_suite(suite, SuiteOptions(quick=quick, extra=extra))
-    text = report.to_json()
+    click.echo(report.to_json())  # printed first: a failed write below does not lose the run
     if json_path:
-        report.write(json_path)
-    click.echo(text)
+        try:
+            report.write(json_path)
+        except OSError as exc:
+            raise UserInputError(f"--json {json_path}: cannot write the report: {exc.strerror or exc}") from exc

@@ -10,6 +10,7 @@ import json
 
 import click
 
+from kvport.cli._params import writable_file
 from kvport.config import Settings
 from kvport.errors import ProfileError, UserInputError
 from kvport.spec import from_hf_config
@@ -34,6 +35,8 @@ def calibrate_cmd(profile_path: str | None, threads: int | None, quick: bool, no
     from kvport.planner.quality import default_results, load_results
 
     settings = Settings.from_env()
+    path = profile_path or str(settings.profile_path)
+    writable_file(path, "--profile")  # now, not after minutes of measuring
     try:  # read before any measurement: a bad file fails at once
         quality = load_results(quality_paths) if quality_paths else default_results()
     except ProfileError as exc:
@@ -55,8 +58,10 @@ def calibrate_cmd(profile_path: str | None, threads: int | None, quick: bool, no
                          progress=say)
     except ProfileError as exc:  # results of another model than the one calibrated
         raise UserInputError(str(exc)) from exc
-    path = profile_path or str(settings.profile_path)
-    prof.save(path)
+    try:
+        prof.save(path)
+    except ProfileError as exc:
+        raise UserInputError(f"--profile {path}: {exc}") from exc
     left_out = {} if no_codecs else codecs_left_out(quality)
     if as_json:
         click.echo(json.dumps(prof.as_dict(), indent=2))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from kvport.cli._params import writable_file
+
 
 @click.command()
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="also write the report here")
@@ -12,6 +14,8 @@ import click
 @click.option("--max-new-tokens", default=24, show_default=True, type=click.IntRange(1, 256))
 def demo(json_path: str | None, users: int, rounds: int, max_new_tokens: int) -> None:
     """Prefill/decode disaggregation of a multi-turn chat on the reference model, with a report."""
+    if json_path:
+        writable_file(json_path, "--json")  # now, not after the demo
     from kvport.demo.run import main_cli
 
     main_cli(json_path, users, rounds, max_new_tokens)

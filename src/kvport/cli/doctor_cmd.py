@@ -195,7 +195,11 @@ def redis_checks(url: str) -> list[Check]:
                     "apt-get install -y redis-server"))
     import redis
 
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1.0)
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1.0)
+    except ValueError as exc:  # KVPORT_REDIS_URL=bogus (the flag is checked before this)
+        return [server, Check("redis", Status.UNUSABLE, f"{url!r} is not a Redis URL ({_error_line(exc)})",
+                              f"export KVPORT_REDIS_URL={DEFAULT_REDIS}")]
     try:
         info = client.info("server")
         reach = Check("redis", Status.OK, f"{url} answers (redis {info.get('redis_version', '?')})")
@@ -265,6 +269,9 @@ def run_checks(redis_url: str | None = None, timeout: float = 120.0) -> list[Che
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def doctor(redis_url: str | None, as_json: bool) -> None:
     """What of kvport is installed and usable here, each with the command that fixes it."""
+    if redis_url is not None and redis_url.partition("://")[0] not in ("redis", "rediss", "unix"):
+        raise click.BadParameter(f"expects redis://, rediss:// or unix://, got {redis_url!r}",
+                                 param_hint="'--redis-url'")
     checks = run_checks(redis_url)
     core_ok = checks[0].status is Status.OK
     if as_json:

@@ -8,6 +8,7 @@ import json
 
 import click
 
+from kvport.cli._params import writable_file
 from kvport.cli._run import parse_key_values
 from kvport.errors import CodecError, UserInputError
 
@@ -43,6 +44,8 @@ def quality(codec_names: tuple[str, ...], tokens: int, windows: int, sets: str, 
     if bad or not chosen:
         raise UserInputError(f"unknown text sets {bad}: expected some of {', '.join(TEXT_SETS)}")
     kw = parse_key_values(params, "--param")
+    if json_path:
+        writable_file(json_path, "--json")  # now, not after the evaluation
     try:
         codecs = [get_codec(name, **kw) for name in codec_names]
     except CodecError as exc:  # a codec name or parameter typed by a person
@@ -54,6 +57,9 @@ def quality(codec_names: tuple[str, ...], tokens: int, windows: int, sets: str, 
     argv += ["--tokens", str(tokens), "--windows", str(windows), "--sets", ",".join(chosen)]
     argv += [a for p in params for a in ("--param", p)] + ["--kv-dtype", kv_dtype]
     text = json.dumps({"provenance": provenance(["eval", "quality", *argv])} | report.as_dict(), indent=2)
+    click.echo(text)  # printed first: a failed write below does not lose the run
     if json_path:
-        Path(json_path).write_text(text + "\n")
-    click.echo(text)
+        try:
+            Path(json_path).write_text(text + "\n")
+        except OSError as exc:
+            raise UserInputError(f"--json {json_path}: cannot write the report: {exc.strerror or exc}") from exc

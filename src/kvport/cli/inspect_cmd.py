@@ -17,6 +17,7 @@ A tenant sees its own blocks only; an admin tenant sees all. ``--json`` prints t
 from __future__ import annotations
 
 import json
+import ssl
 import sys
 from pathlib import Path
 
@@ -107,6 +108,14 @@ def _owner_query(arg: str) -> tuple[tuple[bytes, ...], str]:
     return (), text
 
 
+def _check_ca(path: str) -> None:
+    """A CA file that does not load is the flag's error (the client would raise ssl's own on connect)."""
+    try:
+        ssl.create_default_context(cafile=path)
+    except (ssl.SSLError, OSError) as exc:
+        raise UserInputError(f"--tls-ca {path}: not a PEM CA certificate ({exc})") from exc
+
+
 @click.command(name="inspect")
 @click.option("--server", "server", required=True, help="HOST:PORT of a running kvport server")
 @click.option("--tenant", default="default", show_default=True)
@@ -120,8 +129,10 @@ def _owner_query(arg: str) -> tuple[tuple[bytes, ...], str]:
 def inspect_cmd(server: str, tenant: str, token: str | None, tls: bool, tls_ca: str | None, owners: str | None,
                 leaks: bool, as_json: bool) -> None:
     """Show a running server's usage, tenants, top prefixes, pins and leases; or owners; or leaks."""
-    host, port = parse_listen(server)
+    host, port = parse_listen(server, "--server")
     query = _owner_query(owners) if owners is not None else None
+    if tls_ca is not None:
+        _check_ca(tls_ca)
     cfg = ClientConfig(host=host, port=port, tenant=tenant, token=token or Settings.from_env().auth_token,
                        tls=tls, tls_ca=Path(tls_ca) if tls_ca else None, pool_size=1, retries=1)
     tier = RemoteTier(cfg, name="server")

@@ -7,9 +7,10 @@ from dataclasses import asdict, dataclass
 
 import click
 
+from kvport.cli._params import as_bandwidth, as_size
 from kvport.errors import UserInputError
 from kvport.spec import KVSpec, preset_names, resolve
-from kvport.units import format_bytes, format_seconds, parse_bandwidth, parse_size
+from kvport.units import format_bytes, format_seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,10 @@ class SizeReport:
 def compute(spec: KVSpec, tokens: int, bandwidth: float | None, memory: int | None) -> SizeReport:
     if tokens <= 0:
         raise UserInputError(f"--tokens must be positive, got {tokens}")
+    if memory is not None and memory < spec.bytes_per_token:
+        # a budget that holds no token is a mistyped budget (a unit left out: "80" is 80 bytes), not a plan
+        raise UserInputError(f"--memory {format_bytes(memory)} holds no token of {spec.model_id}: one token's KV "
+                             f"is {format_bytes(spec.bytes_per_token)} (a unit missing? e.g. 80GiB)")
     kv = spec.request_bytes(tokens)
     return SizeReport(
         model=spec.model_id, dtype=spec.dtype.value, tokens=tokens, tp_size=spec.tp_size,
@@ -50,19 +55,20 @@ def compute(spec: KVSpec, tokens: int, bandwidth: float | None, memory: int | No
 
 @click.command()
 @click.option("--model", required=True, help=f"preset ({', '.join(preset_names())}) or a config.json path")
-@click.option("--tokens", required=True, type=int, help="tokens of KV (prompt + generated)")
+@click.option("--tokens", required=True, type=click.IntRange(min=1), help="tokens of KV (prompt + generated)")
 @click.option("--dtype", default=None, help="KV element type: fp32, fp16, bf16, fp8 (default: the model's)")
-@click.option("--bandwidth", default=None, help="effective link bandwidth, e.g. 20GiB/s, 100Gbps")
-@click.option("--memory", default=None, help="memory budget for KV, e.g. 80GiB")
-@click.option("--block-size", default=16, type=int, show_default=True, help="tokens per block")
-@click.option("--tp", "tp_size", default=1, type=int, show_default=True, help="tensor-parallel size (per-rank sizes)")
+@click.option("--bandwidth", default=None, callback=as_bandwidth, metavar="BANDWIDTH",
+              help="effective link bandwidth, e.g. 20GiB/s, 100Gbps")
+@click.option("--memory", default=None, callback=as_size, metavar="SIZE", help="memory budget for KV, e.g. 80GiB")
+@click.option("--block-size", default=16, type=click.IntRange(min=1), show_default=True, help="tokens per block")
+@click.option("--tp", "tp_size", default=1, type=click.IntRange(min=1), show_default=True,
+              help="tensor-parallel size (per-rank sizes)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
-def size(model: str, tokens: int, dtype: str | None, bandwidth: str | None, memory: str | None,
+def size(model: str, tokens: int, dtype: str | None, bandwidth: float | None, memory: int | None,
          block_size: int, tp_size: int, as_json: bool) -> None:
     """KV bytes for a model and prompt length; ideal transfer time; tokens that fit in memory."""
     spec = resolve(model, dtype=dtype, block_size=block_size, tp_size=tp_size)
-    rep = compute(spec, tokens, None if bandwidth is None else parse_bandwidth(bandwidth),
-                  None if memory is None else parse_size(memory))
+    rep = compute(spec, tokens, bandwidth, memory)
     if as_json:
         click.echo(json.dumps(asdict(rep), indent=2))
         return

@@ -11,7 +11,7 @@ from kvport.lifetime import Lifetime
 from kvport.tiers.base import BlockMeta
 from kvport.tiers.disk import DiskTier
 from kvport.tiers.host import HostTier
-from kvport.tiers.journal import JOURNAL_FILE, encode_add, encode_del, replay
+from kvport.tiers.journal import JOURNAL_FILE, Journal, encode_add, encode_del, replay
 from kvport.tiers.paged import PagedTier, page_keys
 
 P = 64
@@ -52,7 +52,7 @@ def test_reserve_is_invisible_until_commit_and_abort_leaves_nothing() -> None:
 
 def test_a_lost_page_is_a_corrupt_block_and_then_a_clean_miss(tmp_path: Path) -> None:
     inner = DiskTier(tmp_path / "blocks", 1 << 20)
-    t = PagedTier(inner, P, journal_dir=tmp_path)
+    t = PagedTier(inner, P, journal=Journal(tmp_path))
     t.put(k(1), bytes(3 * P))
     inner.delete(page_keys(k(1), 3)[1])
     with pytest.raises(CorruptBlockError):
@@ -63,30 +63,30 @@ def test_a_lost_page_is_a_corrupt_block_and_then_a_clean_miss(tmp_path: Path) ->
 
 
 def test_restart_rebuilds_values_from_the_journal_and_quarantines_unaccounted_pages(tmp_path: Path) -> None:
-    t = PagedTier(DiskTier(tmp_path / "blocks", 1 << 20), P, journal_dir=tmp_path)
+    t = PagedTier(DiskTier(tmp_path / "blocks", 1 << 20), P, journal=Journal(tmp_path))
     t.put_block(k(1), [bytes(100)], BlockMeta(parent=None, lifetime=Lifetime.PREFIX, account="a", attrs=b"x"))
     t.put_block(k(2), [bytes(10)], BlockMeta(parent=k(1), account="a"))
     t.put(k(3), bytes(10))
     t.delete(k(3))
     t.close()
-    t2 = PagedTier(DiskTier(tmp_path / "blocks", 1 << 20), P, journal_dir=tmp_path)
+    t2 = PagedTier(DiskTier(tmp_path / "blocks", 1 << 20), P, journal=Journal(tmp_path))
     recs = {key: (n, m) for key, n, m in t2.records()}
     assert set(recs) == {k(1), k(2)} and recs[k(2)][1].parent == k(1) and recs[k(1)][1].attrs == b"x"  # type: ignore[union-attr]
     assert t2.quarantined == set()
     t2.close()
     (tmp_path / JOURNAL_FILE).unlink()  # the journal is lost: the pages are kept, reported, never deleted
-    t3 = PagedTier(DiskTier(tmp_path / "blocks", 1 << 20), P, journal_dir=tmp_path)
+    t3 = PagedTier(DiskTier(tmp_path / "blocks", 1 << 20), P, journal=Journal(tmp_path))
     assert list(t3.keys()) == [] and len(t3.quarantined) == 3
     assert set(t3.inner.keys()) == t3.quarantined
     t3.close()
 
 
 def test_one_folder_one_process(tmp_path: Path) -> None:
-    t = PagedTier(DiskTier(tmp_path / "blocks", 1 << 20), P, journal_dir=tmp_path)
+    t = PagedTier(DiskTier(tmp_path / "blocks", 1 << 20), P, journal=Journal(tmp_path))
     with pytest.raises(TierError, match="in use by another process"):
-        PagedTier(DiskTier(tmp_path / "blocks", 1 << 20), P, journal_dir=tmp_path)
+        Journal(tmp_path)
     t.close()
-    PagedTier(DiskTier(tmp_path / "blocks", 1 << 20), P, journal_dir=tmp_path).close()
+    PagedTier(DiskTier(tmp_path / "blocks", 1 << 20), P, journal=Journal(tmp_path)).close()
 
 
 def test_a_damaged_journal_record_loses_that_record_only() -> None:

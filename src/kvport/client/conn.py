@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvport.errors import PeerError, ProtocolError, ServerError
+from kvport.errors import ConfigError, PeerError, ProtocolError, ServerError
 from kvport.protocol.errors import remote_error
 from kvport.protocol.frame import Flags, FrameHeader, Limits
 from kvport.protocol.handshake import HANDSHAKE_LIMITS, client_handshake
@@ -46,10 +46,17 @@ class ClientConfig:
     backpressure_timeout_s: float = 10.0  # how long a PUT keeps retrying after Rejected(retry_after)
 
 
+def _tls_context(cfg: ClientConfig) -> ssl.SSLContext:
+    try:
+        return ssl.create_default_context(cafile=str(cfg.tls_ca) if cfg.tls_ca else None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"TLS CA bundle {cfg.tls_ca}: {exc}") from exc
+
+
 class ServerConn:
     def __init__(self, cfg: ClientConfig) -> None:
         self.cfg = cfg
-        tls = ssl.create_default_context(cafile=str(cfg.tls_ca) if cfg.tls_ca else None) if cfg.tls else None
+        tls = _tls_context(cfg) if cfg.tls else None
         self.t: SocketTransport = connect_socket(cfg.host, cfg.port, cfg.timeout_s, tls=tls,
                                                  server_name=cfg.tls_server_name)
         self.io = FrameIO(self.t, HANDSHAKE_LIMITS)

@@ -30,6 +30,7 @@ from kvport.keys import KEY_BYTES
 from kvport.ledger import Ledger
 from kvport.store import LifetimePolicy, TieredStore, TierPolicy
 from kvport.tiers.host import HostTier
+from kvport.tiers.journal import Journal
 from kvport.tiers.paged import PagedTier
 
 MiB = 1 << 20
@@ -83,10 +84,14 @@ def open_storage(host_bytes: int, page_bytes: int, disk_dir: Path | None, disk_c
     if disk_dir is not None:
         from kvport.tiers.disk import DiskTier
 
+        journal = None
         try:
+            journal = Journal(disk_dir)  # locks the folder first: a second server touches nothing
             disk = PagedTier(DiskTier(disk_dir / "blocks", disk_capacity), page_bytes, name=DISK,
-                             journal_dir=disk_dir, max_value_bytes=max_value_bytes)
+                             journal=journal, max_value_bytes=max_value_bytes)
         except TierError as exc:
+            if journal is not None:
+                journal.close()
             host.close()
             raise ConfigError(f"--disk {disk_dir}: {exc}") from exc
         tiers.append(disk)

@@ -101,9 +101,19 @@ def load_or_create_secret(folder: Path) -> bytes:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
+        data = _create_secret(folder, path)
+    except OSError as exc:
+        raise ConfigError(f"cannot read server secret {path}: {exc}") from exc
+    if len(data) != _SECRET_BYTES:
+        raise ConfigError(f"server secret {path} is {len(data)} bytes, expected {_SECRET_BYTES}")
+    return data
+
+
+def _create_secret(folder: Path, path: Path) -> bytes:
+    data = secrets.token_bytes(_SECRET_BYTES)
+    tmp = path.with_suffix(".tmp")
+    try:
         folder.mkdir(parents=True, exist_ok=True)
-        data = secrets.token_bytes(_SECRET_BYTES)
-        tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.write(fd, data)
@@ -112,9 +122,7 @@ def load_or_create_secret(folder: Path) -> bytes:
             os.close(fd)
         os.replace(tmp, path)
     except OSError as exc:
-        raise ConfigError(f"cannot read server secret {path}: {exc}") from exc
-    if len(data) != _SECRET_BYTES:
-        raise ConfigError(f"server secret {path} is {len(data)} bytes, expected {_SECRET_BYTES}")
+        raise ConfigError(f"cannot create server secret {path}: {exc}") from exc
     return data
 
 

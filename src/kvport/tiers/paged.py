@@ -12,7 +12,7 @@ tier under its own key ``BLAKE2b-128(key | i as u32 LE)``::
 * disk inner (``DiskTier``): a value is one ``put_many`` (one slab file), read back with one
   ``get_many_into``.
 
-With a ``journal_dir`` the tier is persistent on its own: every value's (key, length, BlockMeta)
+With a :class:`~kvport.tiers.journal.Journal` the tier is persistent on its own: every value's (key, length, BlockMeta)
 is recorded in a :class:`~kvport.tiers.journal.Journal` after its pages are in place and removed
 before they go (write-ahead order: a demotion into this tier is durable before the upper copy is
 dropped), and a restart rebuilds the values from the journal. Pages no record accounts for are
@@ -26,7 +26,6 @@ import logging
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvport.errors import BlockNotFoundError, BufferMismatchError, CorruptBlockError, TierError, TierFullError
 from kvport.tiers.base import BlockMeta, Buffer, Tier, TierCaps, byte_view, writable_view
@@ -47,28 +46,29 @@ class _Value:
 
 
 class PagedTier(Tier):
-    def __init__(self, inner: Tier, page_bytes: int, *, name: str | None = None, journal_dir: Path | None = None,
+    def __init__(self, inner: Tier, page_bytes: int, *, name: str | None = None, journal: Journal | None = None,
                  max_value_bytes: int = 1 << 30) -> None:
+        """``journal``: open it (it locks its folder) *before* opening ``inner`` on that folder, so a
+        second process is refused before it touches anything."""
         if page_bytes <= 0 or page_bytes > inner.caps.max_value_bytes:
             raise TierError(f"page_bytes {page_bytes} must be in (0, {inner.caps.max_value_bytes}]")
         self.inner = inner
         self.page_bytes = page_bytes
         self.name = name or inner.name
         ic = inner.caps
-        self.caps = TierCaps(persistent=journal_dir is not None and ic.persistent, shared=False,
+        self.caps = TierCaps(persistent=journal is not None and ic.persistent, shared=False,
                              zero_copy_read=ic.zero_copy_read, zero_copy_write=ic.zero_copy_write,
                              max_value_bytes=max_value_bytes, block_meta=True, device=ic.device)
         self._vals: dict[bytes, _Value] = {}
         self._reserved: dict[bytes, int] = {}
         self._lock = threading.RLock()
         self.quarantined: set[bytes] = set()
-        self.journal: Journal | None = None
-        if journal_dir is not None:
-            self.journal = Journal(journal_dir)
+        self.journal = journal
+        if journal is not None:
             try:
                 self._recover()
             except BaseException:
-                self.journal.close()
+                journal.close()
                 raise
 
     # ------------------------------------------------------------------ pages

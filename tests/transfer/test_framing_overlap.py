@@ -8,6 +8,8 @@ import threading
 import numpy as np
 import pytest
 
+from kvport import memops
+from kvport.errors import ProtocolError
 from kvport.protocol.frame import CHECKSUM_BYTES, HEADER_BYTES, MsgType, decode_frame, encode_frame, frame_bytes
 from kvport.protocol.sync import FrameIO
 from kvport.transfer import inproc
@@ -21,9 +23,10 @@ def _chunks() -> list[memoryview]:
     return [data[i * CHUNK : (i + 1) * CHUNK].data for i in range(N_CHUNKS)]
 
 
-def _send(batch_bytes: int, chunks: list[memoryview], overlap: bool = True) -> bytes:
+def _send(batch_bytes: int, chunks: list[memoryview], overlap: bool = True, digests: bytes | None = None) -> bytes:
     a, b = inproc.pair(capacity=1 << 22)
-    FrameIO(a, batch_bytes=batch_bytes, overlap=overlap).send(MsgType.LAYER, {"layer": 1}, chunks, CHUNK)
+    FrameIO(a, batch_bytes=batch_bytes, overlap=overlap).send(MsgType.LAYER, {"layer": 1}, chunks, CHUNK,
+                                                              digests=digests)
     a.close()
     out = bytearray()
     buf = memoryview(bytearray(1))
@@ -36,13 +39,28 @@ def _send(batch_bytes: int, chunks: list[memoryview], overlap: bool = True) -> b
     return bytes(out)
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("how", ["overlap", "inline", "digests"])
 @pytest.mark.parametrize("batch_bytes", [4 * CHUNK, 3 * CHUNK + 1, 1 << 30])
-def test_pipelined_send_writes_exactly_the_encoded_frame(batch_bytes: int, overlap: bool) -> None:
+@pytest.mark.parametrize("short_last", [False, True])
+def test_pipelined_send_writes_exactly_the_encoded_frame(batch_bytes: int, how: str, short_last: bool) -> None:
     chunks = _chunks()
-    wire = _send(batch_bytes, chunks, overlap)
+    if short_last:
+        chunks[-1] = chunks[-1][:1000]
+    digests = memops.xxh3_many(chunks) if how == "digests" else None
+    wire = _send(batch_bytes, chunks, how == "overlap", digests)
     assert wire == frame_bytes(encode_frame(MsgType.LAYER, {"layer": 1}, chunks, CHUNK))
     assert decode_frame(wire).payload == b"".join(bytes(c) for c in chunks)
+
+
+def test_send_refuses_chunks_of_the_wrong_size_and_sends_an_empty_payload_as_a_head() -> None:
+    a, b = inproc.pair()
+    io = FrameIO(a)
+    with pytest.raises(ProtocolError, match="chunk 1 has 5 bytes"):
+        io.send(MsgType.LAYER, {}, [b"abcdefgh", b"abcde", b"abcdefgh"], 8)
+    io.send(MsgType.PING, {"n": 1}, [b"", b""], 8)  # nothing to carry: the head alone
+    io.send(MsgType.PING, {"n": 2})
+    rd = FrameIO(b)
+    assert rd.read_frame().meta == {"n": 1} and rd.read_frame().meta == {"n": 2}
 
 
 @pytest.mark.parametrize("overlap", [True, False])

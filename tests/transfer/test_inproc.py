@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -67,6 +68,27 @@ def test_transport_scatter_gather(kind: str) -> None:
     with pytest.raises(PeerError):
         b.recv_into([memoryview(bytearray(1))])
     b.close()
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="Linux only")
+def test_loopback_links_use_a_congestion_control_that_does_not_pace() -> None:
+    """Both ends of a loopback link (transfer or raw baseline) drop a pacing default such as BBR."""
+    lst = tcp_mod.TcpListener()
+    th = threading.Thread(target=lambda: setattr(lst, "got", lst.accept(timeout_s=10)))
+    th.start()
+    c = tcp_mod.connect("127.0.0.1", lst.port)
+    th.join(10)
+    for t in (c, lst.got):  # type: ignore[attr-defined]
+        cc = t.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0")
+        assert cc in tcp_mod.LOOPBACK_CONGESTION
+    loose = socket.socket()  # not connected: nothing to tell, the system's choice stays
+    default = loose.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
+    tcp_mod.tune(loose)
+    assert loose.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16) == default
+    loose.close()
+    c.close()
+    lst.got.close()  # type: ignore[attr-defined]
+    lst.close()
 
 
 def test_shm_readable_with_no_time_left_still_polls_the_control_channel() -> None:

@@ -21,8 +21,9 @@ the shared-memory copy)::
 Only checksum jobs cross threads; payload bytes go straight between the caller's buffers and the
 transport. A frame of one batch is hashed inline. The overlap pays only where a core is free: the
 copies of a loopback transfer already keep two cores busy (sender and receiver), and on the 2-core
-bench machine the workers measured neutral to slightly slower than inline hashing, so it is on by
-default only with more than two CPUs (``FrameIO(overlap=...)`` overrides).
+bench machine the workers measured slower than inline hashing (0.59-0.68 of the raw socket against
+0.73-0.78), so it is on by default only with more than two CPUs (``FrameIO(overlap=...)`` overrides).
+Inline, the batch is hashed right before it is sent: the hash brings it into cache for the copy.
 
 A transport that maps the sender's memory (shared memory, see
 :class:`~kvport.protocol.transport.DescribedPayloads`) is handed whole payloads instead: the sender
@@ -38,7 +39,7 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -63,8 +64,15 @@ from kvport.protocol.frame import (
 )
 from kvport.protocol.transport import Buffer, DescribedPayloads, Transport
 
-BATCH_BYTES = 512 << 10  # payload moved per syscall: hashed/verified while it is still in cache
+# Payload moved per syscall, hashed right before it is sent and verified right after it landed, while
+# it is in cache (L2/L3). Hashing first also fetches the batch for the kernel's copy: on the bench
+# machine xxh3 pulls RAM at ~24 GB/s, the socket copy at ~14, so hash + copy from cache cost little
+# more than the raw socket's copy from RAM. Measured against the raw socket (256 MiB, interleaved,
+# loopback, docs/benchmarks.md): 512 KiB 0.76, 1 MiB 0.78-0.79, 2 MiB 0.80-0.86 (fewer sends and
+# wake-ups), 4 MiB 0.77.
+BATCH_BYTES = 2 << 20
 _HASH_WORKERS = 2
+B = TypeVar("B", bound=Buffer)
 OVERLAP_CHECKSUMS = (os.cpu_count() or 1) > 2
 
 _pool: ThreadPoolExecutor | None = None
@@ -89,6 +97,18 @@ def _forget_pool() -> None:
 
 def _trailers(chunks: Sequence[Buffer]) -> list[bytes]:
     return [CHECKSUM.pack(xxhash.xxh3_64_intdigest(c)) for c in chunks]
+
+
+def _interleave(head: B | None, chunks: Sequence[B], trailers: Sequence[B]) -> list[B]:
+    """``[head,] chunk 0, trailer 0, chunk 1, trailer 1, ...``: one batch's iovec list (list slices,
+    no loop; ``chunks`` is not empty)."""
+    skip = 0 if head is None else 1
+    parts = [chunks[0]] * (2 * len(chunks) + skip)
+    if head is not None:
+        parts[0] = head
+    parts[skip::2] = chunks
+    parts[skip + 1 :: 2] = trailers
+    return parts
 
 
 def _bad_chunks(views: Sequence[memoryview], trailers: memoryview, first: int) -> list[int]:
@@ -127,54 +147,42 @@ class FrameIO:
         ``digests``: the chunks' checksums (u64 LE xxh3-64, 8 bytes a chunk) when the producer already
         computed them (when it wrote the chunks, still in cache); they go on the wire as they are, so a
         wrong one makes the receiver refuse that chunk, never accept wrong bytes."""
-        if digests is not None and len(digests) != CHECKSUM_BYTES * len(chunks):
-            raise ProtocolError(f"{len(chunks)} chunks but {len(digests)} digest bytes")
-        sizes = [c.nbytes if isinstance(c, memoryview) else len(c) for c in chunks]
+        n = len(chunks)
+        if digests is not None and len(digests) != CHECKSUM_BYTES * n:
+            raise ProtocolError(f"{n} chunks but {len(digests)} digest bytes")
+        sizes = [c.nbytes if type(c) is memoryview else len(c) for c in chunks]
         payload_len = sum(sizes)
         cs = 0 if not payload_len else (chunk_size if chunk_size is not None else sizes[0])
-        last = len(chunks) - 1
-        bounds: list[tuple[int, int]] = []  # [start, end) chunk indexes of each batch
-        start = pending = 0
-        for i in range(len(chunks)):
-            if sizes[i] != cs and not (i == last and 0 < sizes[i] < cs):
-                raise ProtocolError(f"chunk {i} has {sizes[i]} bytes; chunks are {cs} bytes (last may be shorter)")
-            pending += sizes[i]
-            if pending >= self.batch_bytes or i == last:
-                bounds.append((start, i + 1))
-                start, pending = i + 1, 0
+        if n and sizes.count(cs) + (0 < sizes[-1] < cs) != n:  # every chunk cs bytes, the last may be shorter
+            i = next(i for i, z in enumerate(sizes) if z != cs and not (i == n - 1 and 0 < z < cs))
+            raise ProtocolError(f"chunk {i} has {sizes[i]} bytes; chunks are {cs} bytes (last may be shorter)")
+        per = max(1, -(-self.batch_bytes // cs)) if cs else 1  # chunks per batch
         head = encode_header(msg_type, encode_meta(meta or {}), payload_len, cs, flags, corr_id)
         described = self._described
-        plan = described.describe(chunks, cs) if described is not None and chunks else None
+        plan = described.describe(chunks, cs) if described is not None and payload_len else None
         if described is not None and plan is not None:  # the peer maps these chunks: one message for all
             described.send_described(head, plan, digests if digests is not None else memops.xxh3_many(chunks))
             return payload_len
-        parts: list[Buffer] = [head]
+        if not payload_len:  # no chunk carries a byte: no payload, no checksums
+            self.t.send([head])
+            return payload_len
+        starts = range(0, n, per)
         if digests is not None:
             known = memoryview(digests)
-            for a, b in bounds or [(0, 0)]:
-                for i in range(a, b):
-                    parts += (chunks[i], known[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES])
-                self.t.send(parts)
-                parts = []
+            trailers: Sequence[Buffer] = [known[i : i + CHECKSUM_BYTES] for i in range(0, len(known), CHECKSUM_BYTES)]
+            for a in starts:
+                self.t.send(_interleave(head if a == 0 else None, chunks[a : a + per], trailers[a : a + per]))
             return payload_len
-        if len(bounds) <= 1 or not self.overlap:  # inline: hash a batch, then send it while it is in cache
-            for a, b in bounds or [(0, 0)]:
-                for c, tr in zip(chunks[a:b], _trailers(chunks[a:b]), strict=True):
-                    parts.append(c)
-                    parts.append(tr)
-                self.t.send(parts)
-                parts = []
+        if len(starts) == 1 or not self.overlap:  # inline: hash a batch, then send it while it is in cache
+            for a in starts:
+                batch = chunks[a : a + per]
+                self.t.send(_interleave(head if a == 0 else None, batch, _trailers(batch)))
             return payload_len
         pool = _hash_pool()
-        futs = [pool.submit(_trailers, chunks[a:b]) for a, b in bounds]
-        parts = [head]
+        futs = [pool.submit(_trailers, chunks[a : a + per]) for a in starts]
         try:
-            for (a, b), fut in zip(bounds, futs, strict=True):
-                for c, tr in zip(chunks[a:b], fut.result(), strict=True):
-                    parts.append(c)
-                    parts.append(tr)
-                self.t.send(parts)
-                parts = []
+            for a, fut in zip(starts, futs, strict=True):
+                self.t.send(_interleave(head if a == 0 else None, chunks[a : a + per], fut.result()))
         except BaseException:
             for fut in futs:  # no worker reads the caller's buffers once send() has returned
                 if not fut.cancel():
@@ -217,17 +225,18 @@ class FrameIO:
         tr = memoryview(self._trailers)
         cs, last = hdr.chunk_size, n - 1
         last_len = hdr.payload_len - last * cs if n else 0
-        for i, v in enumerate(views):
-            if v.nbytes != (cs if i < last else last_len):
-                raise ProtocolError(f"chunk {i}: buffer of {v.nbytes} bytes for {cs if i < last else last_len}")
+        sizes = [v.nbytes for v in views]
+        if n and (sizes.count(cs) - (last_len == cs) != last or sizes[-1] != last_len):
+            i = next(i for i, z in enumerate(sizes) if z != (cs if i < last else last_len))
+            raise ProtocolError(f"chunk {i}: buffer of {sizes[i]} bytes for {cs if i < last else last_len}")
         if self._described is not None and n:
             described = self._described.recv_described_into(views, tr, cs, hdr.payload_len)
             if described is not None:
                 bad_set = sorted(described)
                 _report_verified(on_verified, 0, bad_set[0] if bad_set else n)
                 return bad_set
-        parts: list[memoryview] = []
-        first = pending = 0
+        per = max(1, -(-self.batch_bytes // cs)) if cs else 1  # chunks per batch
+        trs = [tr[i : i + CHECKSUM_BYTES] for i in range(0, need, CHECKSUM_BYTES)]
         futs: list[tuple[int, int, Future[list[int]]]] = []
         bad: list[int] = []
         fail: list[Exception] = []  # from on_verified: raised once the payload is read
@@ -243,19 +252,14 @@ class FrameIO:
             bad.extend(failed)
 
         try:
-            for i, v in enumerate(views):
-                want = cs if i < last else last_len
-                parts.append(v)
-                parts.append(tr[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES])
-                pending += want
-                if pending >= self.batch_bytes or i == last:
-                    self.t.recv_into(parts)
-                    batch = views[first : i + 1]
-                    if not self.overlap or (i == last and not futs):
-                        checked(first, i + 1, _bad_chunks(batch, tr, first))  # inline, still in cache
-                    else:
-                        futs.append((first, i + 1, _hash_pool().submit(_bad_chunks, batch, tr, first)))
-                    parts, first, pending = [], i + 1, 0
+            for first in range(0, n, per):
+                end = min(n, first + per)
+                batch = views[first:end]
+                self.t.recv_into(_interleave(None, batch, trs[first:end]))
+                if not self.overlap or (end == n and not futs):
+                    checked(first, end, _bad_chunks(batch, tr, first))  # inline, still in cache
+                else:
+                    futs.append((first, end, _hash_pool().submit(_bad_chunks, batch, tr, first)))
         except BaseException:
             for _, _, fut in futs:  # never raise while a worker still reads the caller's buffers
                 if not fut.cancel():

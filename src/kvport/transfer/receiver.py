@@ -218,6 +218,7 @@ class Receiver:
             raise ConfigError("peers are known to a ledger: pass ledger= with them")
         self.t = transport
         self.io = FrameIO(transport, limits)
+        self._recv_bytes = RECV_BYTES.labels(transport=transport.name)
         self.spec = spec
         self.destinations = destinations
         self.bp = bp or Backpressure()
@@ -417,7 +418,7 @@ class Receiver:
                     views.append(self._scratch[: meta.block_layer_bytes] if meta.block_layer_bytes <= 1 << 20
                                  else memoryview(bytearray(meta.block_layer_bytes)))
             bad = self.io.read_payload_into(hdr, views)
-        RECV_BYTES.labels(transport=self.t.name).inc(hdr.payload_len)
+        self._recv_bytes.inc(hdr.payload_len)
         ok = np.ones(n, dtype=np.bool_)
         if lost:
             LOST_BLOCKS.inc(len(lost))

@@ -136,6 +136,7 @@ class Sender:
             raise ConfigError("a peer is known to a ledger: pass ledger= with it")
         self.t = transport
         self.io = FrameIO(transport, limits, batch_bytes)
+        self._sent_bytes = SENT_BYTES.labels(transport=transport.name)
         self.bp = bp or Backpressure()
         self.window = CreditWindow(self.bp)
         self.ledger, self.owner, self.peer = ledger, owner, peer
@@ -339,7 +340,7 @@ class Sender:
                 self._send(LayerHead(h.tid, layer, i), blocks[i : i + k], lb,
                            None if digests is None else digests[8 * i : 8 * (i + k)])
                 h.sent_bytes += k * lb
-                SENT_BYTES.labels(transport=self.t.name).inc(k * lb)
+                self._sent_bytes.inc(k * lb)
                 i += k
         except PeerError as exc:  # a frame may be half written: the stream is unusable
             self._die(exc)

@@ -14,7 +14,15 @@ import socket
 from kvport.errors import ConfigError, PeerError, ProtocolError
 from kvport.protocol.frame import Limits, MsgType
 from kvport.protocol.handshake import client_handshake, server_handshake
-from kvport.protocol.net import SOCK_BUF_BYTES, SocketTransport, connect_socket, instance_label, is_loopback, tune
+from kvport.protocol.net import (
+    LOOPBACK_CONGESTION,
+    SOCK_BUF_BYTES,
+    SocketTransport,
+    connect_socket,
+    instance_label,
+    is_loopback,
+    tune,
+)
 from kvport.protocol.sync import FrameIO
 from kvport.transfer.striped import StripedTransport
 
@@ -116,5 +124,5 @@ def connect(host: str, port: int, secret: bytes | None = None, timeout_s: float 
     return t
 
 
-__all__ = ["SOCK_BUF_BYTES", "TRANSFER_PRINCIPAL", "TcpListener", "TcpTransport", "connect", "connect_striped",
-           "is_loopback", "tune"]
+__all__ = ["LOOPBACK_CONGESTION", "SOCK_BUF_BYTES", "TRANSFER_PRINCIPAL", "TcpListener", "TcpTransport", "connect",
+           "connect_striped", "is_loopback", "tune"]

@@ -26,8 +26,10 @@ def test_transfer_suite_report_shape(capsys, tmp_path, model_dir) -> None:  # ty
     for k in ("memcpy_gbps", "raw_socket_gbps", "raw_socket_same_layout_gbps"):
         assert saved["limits"][k] is None or saved["limits"][k] > 0
     r = saved["results"]
-    for k in ("tcp_vs_raw_socket", "shm_vs_memcpy", "tcp_gbps", "shm_gbps"):
+    for k in ("tcp_vs_raw_socket", "shm_vs_memcpy", "tcp_gbps", "shm_gbps", "tcp_producer_digests_vs_raw_socket"):
         assert r[k] > 0
+    cc = saved["conditions"]["tcp_congestion"]  # one tuning for kvport's link and the raw baseline
+    assert cc["kvport"] == cc["raw_same_layout"]
     assert r["tcp_time"]["ideal_s"] > 0 and r["tcp_time"]["measured_s"] > 0
     for key in ("overload", "overload_no_backpressure"):
         for f in ("peak_memory_vs_budget", "lost_blocks", "goodput_vs_capacity"):

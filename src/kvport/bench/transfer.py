@@ -6,10 +6,15 @@ Fair comparisons (same process layout, same bytes, same buffers, trials interlea
 
 * TCP: the parent sends, a spawned child receives into one preallocated destination (LKHTD block
   table). The raw baseline is plain ``sendall`` of 4 MiB memoryview slices of the *same* source and
-  ``recv_into`` of 4 MiB slices of the *same* destination on a second connection to the same child;
-  kvport sends LAYER frames of at most 4 MiB (64 KiB chunks, each checksummed with xxh3-64 on both
-  sides; with more than two CPUs the hashing overlaps the socket calls, see ``transfer.framing``). The generic
-  ``bench.limits.raw_socket_gbps`` (4 MiB reused receive buffer) is reported beside it.
+  ``recv_into`` of 4 MiB slices of the *same* destination on a second connection to the same child,
+  tuned like kvport's (``transfer.tcp.tune``: buffers, TCP_NODELAY, and on loopback a congestion
+  control that does not pace; ``conditions.tcp_congestion`` says which both got); kvport sends LAYER
+  frames of at most 4 MiB (64 KiB chunks, each checksummed with xxh3-64 on both sides, in ~1 MiB
+  batches hashed right before each send; with more than two CPUs the hashing overlaps the socket
+  calls, see ``protocol.sync``). ``tcp_producer_digests_*`` is the same transfer with checksums the
+  producer already had (``send_layer(..., digests=)``, nothing hashed at send): what the sender's
+  hashing costs. The generic ``bench.limits.raw_socket_gbps`` (4 MiB reused receive buffer, system
+  socket defaults) is reported beside it.
 * Shared memory: the producer's KV lives in memory registered with the transport (one copy in all:
   the receiver copies and verifies it into its block table, see ``transfer.shm``). The producer
   writes the KV there block-layer by block-layer and takes each chunk's checksum right after writing
@@ -138,8 +143,11 @@ def _tcp(nbytes: int, trials: int) -> dict[str, Any]:
         views = _layer_views(src, spec)
         meta = TransferMeta(spec, "bench", _keys(nb))
         flat = src.data.cast("B")
+        digests = [memops.xxh3_many(layer) for layer in views]
+        congestion = {"kvport": _congestion(t.sock), "raw_same_layout": _congestion(raw)}
         raw_t: list[float] = []
         kv_t: list[float] = []
+        known_t: list[float] = []
         for r in range(trials + 1):  # first round of each is a warm-up
             t0 = time.perf_counter()
             for off in range(0, nbytes, _RAW_CHUNK):
@@ -148,14 +156,30 @@ def _tcp(nbytes: int, trials: int) -> dict[str, Any]:
             t1 = time.perf_counter()
             sender.send(meta, lambda layer: views[layer])
             t2 = time.perf_counter()
+            sender.send(meta, lambda layer: views[layer], layer_digests=lambda layer: digests[layer])
+            t3 = time.perf_counter()
             if r:
                 raw_t.append(t1 - t0)
                 kv_t.append(t2 - t1)
+                known_t.append(t3 - t2)
         raw.close()
         sender.close()
     raw_gbps, kv_gbps = _median_gbps(nbytes, raw_t), _median_gbps(nbytes, kv_t)
     return {"raw_same_layout_gbps": raw_gbps, "tcp_gbps": kv_gbps, "tcp_median_s": statistics.median(kv_t),
-            "raw_median_s": statistics.median(raw_t), "tcp_trials_s": kv_t, "raw_trials_s": raw_t}
+            "raw_median_s": statistics.median(raw_t), "tcp_trials_s": kv_t, "raw_trials_s": raw_t,
+            "producer_digests_gbps": _median_gbps(nbytes, known_t), "producer_digests_trials_s": known_t,
+            "congestion": congestion}
+
+
+def _congestion(sock: socket.socket) -> str | None:
+    """The TCP congestion control a socket got (None where the platform does not say)."""
+    opt = getattr(socket, "TCP_CONGESTION", None)
+    if opt is None:
+        return None
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, opt, 16).rstrip(b"\0").decode()
+    except OSError:
+        return None
 
 
 def _produce(reg_views: list[list[memoryview]], src_views: list[list[memoryview]]
@@ -332,10 +356,13 @@ def run(opts: SuiteOptions) -> Report:
         "tcp_gbps": tcp["tcp_gbps"],
         "tcp_vs_raw_socket": ratio(tcp["tcp_gbps"], tcp["raw_same_layout_gbps"]),
         "tcp_vs_raw_socket_generic": ratio(tcp["tcp_gbps"], limits["raw_socket_gbps"]),
+        "tcp_producer_digests_gbps": tcp["producer_digests_gbps"],
+        "tcp_producer_digests_vs_raw_socket": ratio(tcp["producer_digests_gbps"], tcp["raw_same_layout_gbps"]),
         "tcp_time": {"measured_s": round(tcp["tcp_median_s"], 4),
                      "ideal_s": round(nbytes / raw_bps, 4) if raw_bps else None,
                      "trials_s": [round(x, 4) for x in tcp["tcp_trials_s"]],
-                     "raw_trials_s": [round(x, 4) for x in tcp["raw_trials_s"]]},
+                     "raw_trials_s": [round(x, 4) for x in tcp["raw_trials_s"]],
+                     "producer_digests_trials_s": [round(x, 4) for x in tcp["producer_digests_trials_s"]]},
         "shm_gbps": sh["shm_gbps"],
         "shm_vs_memcpy": ratio(sh["shm_gbps"], sh["memcpy_same_run_gbps"]),
         "shm_vs_memcpy_limit": ratio(sh["shm_gbps"], limits["memcpy_gbps"]),
@@ -357,5 +384,6 @@ def run(opts: SuiteOptions) -> Report:
     ov_s = None if overload_s is None else float(overload_s)
     results["overload"] = overload(backpressure=True, quick=opts.quick, duration_s=ov_s)
     results["overload_no_backpressure"] = overload(backpressure=False, quick=opts.quick, duration_s=ov_s)
-    cond.update(tokens=(nbytes // spec.bytes_per_block) * spec.block_size, trials=trials)
+    cond.update(tokens=(nbytes // spec.bytes_per_block) * spec.block_size, trials=trials,
+                tcp_congestion=tcp["congestion"])
     return finish(Report("transfer", cond, limits, results))

@@ -65,12 +65,11 @@ from kvport.protocol.frame import (
 from kvport.protocol.transport import Buffer, DescribedPayloads, Transport
 
 # Payload moved per syscall, hashed right before it is sent and verified right after it landed, while
-# it is in cache (L2/L3). Hashing first also fetches the batch for the kernel's copy: on the bench
-# machine xxh3 pulls RAM at ~24 GB/s, the socket copy at ~14, so hash + copy from cache cost little
-# more than the raw socket's copy from RAM. Measured against the raw socket (256 MiB, interleaved,
-# loopback, docs/benchmarks.md): 512 KiB 0.76, 1 MiB 0.78-0.79, 2 MiB 0.80-0.86 (fewer sends and
-# wake-ups), 4 MiB 0.77.
-BATCH_BYTES = 2 << 20
+# it is in cache (1 MiB: the bench machine's L2). Hashing first also fetches the batch for the kernel's
+# copy: there xxh3 pulls RAM at ~24 GB/s and the socket copy at ~14, so hash + copy from cache cost
+# little more than the raw socket's copy from RAM. Against the raw socket (256 MiB, loopback, batches
+# interleaved on one machine): 512 KiB 0.76-0.80, 1 MiB 0.78-0.83, 2 MiB 0.76-0.81, 4 MiB 0.74-0.77.
+BATCH_BYTES = 1 << 20
 _HASH_WORKERS = 2
 B = TypeVar("B", bound=Buffer)
 OVERLAP_CHECKSUMS = (os.cpu_count() or 1) > 2

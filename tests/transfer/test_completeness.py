@@ -171,3 +171,51 @@ def test_a_chunk_that_does_not_decode_leaves_its_bit_unset(monkeypatch: pytest.M
     assert inc.dest.state.value == "aborted"  # type: ignore[attr-defined]
     s.close()
     rx.close()
+
+
+def test_whole_block_frames_verify_every_block_layer_exactly_once() -> None:
+    """Sender.send carries whole blocks per frame (all layers, block-major): same bitmap, same rule."""
+    a, b = inproc.pair()
+    dst = np.zeros((N, SPEC.bytes_per_block), dtype=np.uint8)
+    rx = Receiver(b, SPEC, lambda m: CountingDestination(dst, m), budget_bytes=1 << 20)
+    rx.start()
+    s = Sender(a, max_frame_bytes=3 * SPEC.bytes_per_block)  # 3 whole blocks a frame: 3 + 3 + 2
+    h = s.send(TransferMeta(SPEC, "blocks", peers.keys()), lambda layer: peers.layer_views(peers.source(), SPEC, layer))
+    inc = rx.next_transfer(5).wait(5)
+    assert h.state.value == "committed" and inc.verified.all()
+    assert (inc.dest.views == 1).all()  # type: ignore[attr-defined]
+    assert np.array_equal(dst, peers.source())
+    s.close()
+    rx.close()
+
+
+def test_a_whole_block_frame_over_a_layer_frame_aborts() -> None:
+    """Block 2's every layer after layer 1 of blocks 0..3 arrived: (2, 1) twice."""
+    io, rx, _ = _receiver()
+    src = peers.source()
+    io.send(MsgType.TRANSFER_BEGIN, TransferBegin(1, TransferMeta(SPEC, "raw", peers.keys())).to_meta())
+    io.expect(MsgType.TRANSFER_ACCEPT)
+    inc = rx.next_transfer(5)
+    io.send(MsgType.LAYER, LayerHead(1, 1, 0).to_meta(), peers.layer_views(src, SPEC, 1)[:4], LB)
+    block2 = [peers.layer_views(src, SPEC, layer)[2] for layer in range(SPEC.num_layers)]
+    io.send(MsgType.LAYER, LayerHead(1, 0, 2, SPEC.num_layers).to_meta(), block2, LB)
+    answer = io.expect(MsgType.TRANSFER_ABORT)
+    assert isinstance(TransferAbort.from_meta(answer.meta).error, ProtocolError)
+    with pytest.raises(ProtocolError, match="exactly once"):
+        inc.wait(5)
+    assert inc.verified.sum() == 4  # layer 1 of blocks 0..3; block 2's frame never landed
+    rx.close()
+
+
+@pytest.mark.parametrize(("layer", "n_layers", "b0", "n_chunks"), [(2, 3, 0, 3), (0, 4, 7, 8), (0, 3, 0, 8)],
+                         ids=["past-the-last-layer", "past-the-last-block", "not-whole-blocks"])
+def test_a_frame_outside_the_transfer_ends_the_connection(layer: int, n_layers: int, b0: int, n_chunks: int) -> None:
+    io, rx, dst = _receiver()
+    src = peers.source()
+    io.send(MsgType.TRANSFER_BEGIN, TransferBegin(1, TransferMeta(SPEC, "raw", peers.keys())).to_meta())
+    io.expect(MsgType.TRANSFER_ACCEPT)
+    inc = rx.next_transfer(5)
+    io.send(MsgType.LAYER, LayerHead(1, layer, b0, n_layers).to_meta(), peers.layer_views(src, SPEC, 0)[:n_chunks], LB)
+    with pytest.raises(ProtocolError, match="does not fit"):
+        inc.wait(5)
+    assert rx.closed.wait(5) and isinstance(rx.error, ProtocolError) and not dst.any()

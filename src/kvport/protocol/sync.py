@@ -67,8 +67,8 @@ from kvport.protocol.transport import Buffer, DescribedPayloads, Transport
 # Payload moved per syscall, hashed right before it is sent and verified right after it landed, while
 # it is in cache (1 MiB: the bench machine's L2). Hashing first also fetches the batch for the kernel's
 # copy: there xxh3 pulls RAM at ~24 GB/s and the socket copy at ~14, so hash + copy from cache cost
-# little more than the raw socket's copy from RAM. Against the raw socket (256 MiB, loopback, batches
-# interleaved on one machine): 512 KiB 0.76-0.80, 1 MiB 0.78-0.83, 2 MiB 0.76-0.81, 4 MiB 0.74-0.77.
+# little more than the raw socket's copy from RAM. Against the raw socket (256 MiB in whole-block
+# frames, loopback, sizes interleaved in one run): 512 KiB 0.85-0.87, 1 MiB 0.87-0.91, 2 MiB 0.88-0.90.
 BATCH_BYTES = 1 << 20
 _HASH_WORKERS = 2
 B = TypeVar("B", bound=Buffer)

@@ -9,8 +9,8 @@
                                                         | TransferRefuse {tid, error...}
                                                  (the sender checks the receiver's owner; its ledger:
                                                   IN_TRANSFER(owner -> receiver owner, ledger_tid))
-    LayerHead {tid, layer, b0} + one chunk
-      per block-layer (b0 .. b0 + n - 1)         ---->
+    LayerHead {tid, layer, b0, n_layers} + one
+      chunk per block-layer, block-major         ---->
                                                  <----  Credit {grant}                (any time)
     TransferEnd {tid}                            ---->  every (block, layer) verified exactly once?
                                                         ledger.acquire(keys, owner, from=sender, ledger_tid)
@@ -197,12 +197,19 @@ class Credit(Message):
 
 @dataclass(frozen=True, slots=True)
 class LayerHead(Message):
-    """A LAYER frame's metadata; its payload is one chunk per block, blocks ``b0 .. b0 + n - 1``."""
+    """A LAYER frame's metadata. Its payload is one chunk per block-layer of blocks ``b0 ..
+    b0 + n - 1`` and layers ``layer .. layer + n_layers - 1``, block-major::
+
+        (b0, layer) (b0, layer+1) ... (b0, layer+n_layers-1) (b0+1, layer) ...   n = n_chunks / n_layers
+
+    ``n_layers = 1``: one layer of consecutive blocks (layer-wise streaming); all of a transfer's
+    layers: whole blocks in the order of their bytes in a block-contiguous (LKHTD) KV."""
 
     TYPE: ClassVar[MsgType] = MsgType.LAYER
     tid: Tid
     layer: Annotated[int, Range(0, 1 << 16)]
     b0: Annotated[int, Range(0, MAX_BLOCKS)]
+    n_layers: Annotated[int, Range(1, 1 << 16)] = 1
 
 
 @dataclass(frozen=True, slots=True)

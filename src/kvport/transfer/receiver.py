@@ -6,8 +6,8 @@ One serve loop per connection (:meth:`Receiver.serve`, or a thread via :meth:`st
 
     TRANSFER_BEGIN  decode -> sender owner a known peer? -> check_compatible -> REFUSE {error}
                     | destination(meta) -> ACCEPT {budget, grant, owner}
-    LAYER           (block, layer) already arrived? -> abort (ProtocolError, payload drained)
-                    views = destination.view(b, layer) -> recv_into(views) -> verify -> set bits
+    LAYER           a (block, layer) already arrived? -> abort (ProtocolError, payload drained)
+                    views = destination.view(b, l) -> recv_into(views) -> verify -> set bits
     TRANSFER_END    every (block, layer) bit set -> ledger.acquire -> destination.commit()
                     -> COMMITTED {owner}, else abort
     TRANSFER_ABORT  destination.abort(), bytes released (credits returned)
@@ -20,7 +20,8 @@ a codec link, decoded). A transfer commits only when every bit of ``verified`` i
     verified  (layers x blocks, numpy bool)      layer_ready(l) = verified[l].all()
               b0 b1 b2 b3 ...                    complete       = count == layers * blocks
       l0   [   1  1  1  1  ]
-      l1   [   1  1  0  0  ]  <- a LAYER frame sets verified[l, b0 : b0 + n] in one slice
+      l1   [   1  1  0  0  ]  <- a LAYER frame sets its rectangle verified[l0 : l0 + nl, b0 : b0 + nb]
+                                   in one slice (one layer of many blocks, or whole blocks)
 
 Incoming state: RECEIVING -> COMMITTED | ABORTED (:meth:`Incoming._finish` is the one place that
 moves it; a second move raises). Any failure -- checksum, duplicate, protocol, lost blocks, a second
@@ -146,19 +147,22 @@ class Incoming:
             self._cond.notify_all()
             return True
 
-    def _claim(self, layer: int, b0: int, n: int) -> bool:
-        """Mark blocks ``b0 .. b0+n-1`` of ``layer`` as arriving; False when one of them already did."""
-        row = self._arrived[layer - self.meta.layer_lo, b0 : b0 + n]
-        if row.any():
+    def _claim(self, layer: int, n_layers: int, b0: int, n_blocks: int) -> bool:
+        """Mark the block-layers of one LAYER frame as arriving; False when one of them already did."""
+        li = layer - self.meta.layer_lo
+        region = self._arrived[li : li + n_layers, b0 : b0 + n_blocks]
+        if region.any():
             return False
-        row[:] = True
+        region[:] = True
         return True
 
     def _verified_run(self, layer: int, b0: int, ok: np.ndarray) -> None:
-        """Chunks of one LAYER frame passed their checks: ``ok[j]`` for block ``b0 + j``."""
+        """Chunks of one LAYER frame passed their checks: ``ok[l, i]`` for block-layer
+        (``b0 + i``, ``layer + l``)."""
+        li = layer - self.meta.layer_lo
         with self._cond:
-            row = self._verified[layer - self.meta.layer_lo, b0 : b0 + ok.size]
-            row |= ok  # never set twice: _claim refused every (block, layer) a second time
+            region = self._verified[li : li + ok.shape[0], b0 : b0 + ok.shape[1]]
+            region |= ok  # never set twice: _claim refused every (block, layer) a second time
             self._n_verified += int(np.count_nonzero(ok))
             self._cond.notify_all()
 
@@ -392,14 +396,16 @@ class Receiver:
             self._drain(hdr)
             return
         meta = cur.meta
-        layer, b0, n = head.layer, head.b0, hdr.n_chunks
-        if layer not in meta.layers or b0 + n > meta.n_blocks or hdr.chunk_size != meta.block_layer_bytes \
-                or hdr.payload_len != n * meta.block_layer_bytes:
-            raise ProtocolError(f"LAYER frame (layer={layer}, b0={b0}, chunks={n}, "
+        layer, b0, nl, n = head.layer, head.b0, head.n_layers, hdr.n_chunks
+        nb = n // nl  # chunk j is block-layer (b0 + j // nl, layer + j % nl)
+        if n % nl or layer < meta.layer_lo or layer + nl > meta.layers.stop or b0 + nb > meta.n_blocks \
+                or hdr.chunk_size != meta.block_layer_bytes or hdr.payload_len != n * meta.block_layer_bytes:
+            raise ProtocolError(f"LAYER frame (layer={layer}, n_layers={nl}, b0={b0}, chunks={n}, "
                                 f"chunk={hdr.chunk_size}) does not fit transfer {cur.tid}")
-        if not cur._claim(layer, b0, n):  # nothing of it lands: verified bytes are never overwritten
-            self._abort(cur, ProtocolError(f"transfer {cur.tid}: a LAYER frame repeats blocks of layer {layer} "
-                                           f"in [{b0}, {b0 + n}): every block-layer must arrive exactly once"))
+        if not cur._claim(layer, nl, b0, nb):  # nothing of it lands: verified bytes are never overwritten
+            self._abort(cur, ProtocolError(f"transfer {cur.tid}: a LAYER frame repeats block-layers (layers "
+                                           f"[{layer}, {layer + nl}), blocks [{b0}, {b0 + nb})): every "
+                                           "block-layer must arrive exactly once"))
             self._drain(hdr)
             return
         self.pool.on_received(hdr.payload_len)
@@ -407,35 +413,36 @@ class Receiver:
         cur.bytes_held += hdr.payload_len
         lost: list[int] = []
         if cur.link is not None:  # encoded chunks land in a scratch buffer, decoded once verified
-            bad, lost = self._read_encoded(cur, cur.link, hdr, layer, b0)
+            bad, lost = self._read_encoded(cur, cur.link, hdr, layer, nl, b0)
         else:
             views: list[memoryview] = []
-            for i in range(b0, b0 + n):
+            for j in range(n):
                 try:
-                    views.append(cur.dest.view(i, layer))
+                    views.append(cur.dest.view(b0 + j // nl, layer + j % nl))
                 except TierFullError:
-                    lost.append(i - b0)
+                    lost.append(j)
                     views.append(self._scratch[: meta.block_layer_bytes] if meta.block_layer_bytes <= 1 << 20
                                  else memoryview(bytearray(meta.block_layer_bytes)))
             bad = self.io.read_payload_into(hdr, views)
         self._recv_bytes.inc(hdr.payload_len)
         ok = np.ones(n, dtype=np.bool_)
         if lost:
-            LOST_BLOCKS.inc(len(lost))
-            cur.lost_blocks.update(b0 + j for j in lost)
+            LOST_BLOCKS.inc(len({j // nl for j in lost}))
+            cur.lost_blocks.update(b0 + j // nl for j in lost)
             ok[lost] = False
         bad = [j for j in bad if ok[j]]
         if bad:
             what = "checksum" if cur.link is None else "checksum or did not decode"
-            self._abort(cur, ChecksumError(f"transfer {cur.tid}: layer {layer} blocks "
-                                           f"{[b0 + j for j in bad]} failed their {what}"))
+            where = (f"layer {layer} blocks {[b0 + j for j in bad]}" if nl == 1 else
+                     f"block-layers {[(b0 + j // nl, layer + j % nl) for j in bad]}")
+            self._abort(cur, ChecksumError(f"transfer {cur.tid}: {where} failed their {what}"))
             return
-        cur._verified_run(layer, b0, ok)
+        cur._verified_run(layer, b0, ok.reshape(nb, nl).T)
         if self.auto_release:
             cur.bytes_held -= hdr.payload_len
             self.release(hdr.payload_len)
 
-    def _read_encoded(self, cur: Incoming, link: LinkCodec, hdr: FrameHeader, layer: int,
+    def _read_encoded(self, cur: Incoming, link: LinkCodec, hdr: FrameHeader, layer: int, nl: int,
                       b0: int) -> tuple[list[int], list[int]]:
         """Receive a codec link's LAYER payload, then decode every chunk that passed its checksum into
         the destination. Returns (chunks that failed a check or did not decode, chunks whose block
@@ -451,7 +458,7 @@ class Receiver:
             if j in skip:
                 continue
             try:
-                link.decode_into(views[j], cur.dest.view(b0 + j, layer))
+                link.decode_into(views[j], cur.dest.view(b0 + j // nl, layer + j % nl))
             except TierFullError:
                 lost.append(j)
             except CodecError:

@@ -7,6 +7,8 @@
                      (ledger: the receiver's owner must be ``peer`` / a known peer, then
                       begin_transfer(keys, owner -> receiver owner, ledger_tid))
     send_layer(l)    LAYER {tid, layer, b0} + one chunk per block (as many blocks as credits allow)
+    | send_blocks()  LAYER {tid, layer, b0, n_layers} + whole blocks, their block-layers in memory
+                     order (a whole transfer: send())
                                                   <- CREDIT {grant}  (any time)
     end()            TRANSFER_END ->              <- TRANSFER_COMMITTED {owner} | TRANSFER_ABORT {error}
                      (ledger: commit_transfer -> HANDED_OFF to the receiver's owner)
@@ -320,27 +322,64 @@ class Sender:
             raise TransferError(f"layer {layer} not in {h.meta.layers} or sent twice")
         if len(blocks) != h.meta.n_blocks:
             raise TransferError(f"{len(blocks)} block views for {h.meta.n_blocks} blocks")
-        lb = h.meta.block_layer_bytes
         if digests is not None and len(digests) != 8 * len(blocks):
             raise TransferError(f"{len(digests)} digest bytes for {len(blocks)} blocks")
         if h.link is not None:
             blocks = self._encode_layer(h.link, layer, blocks)
             digests = None
-        per_frame = max(1, self.max_frame_bytes // lb)
+        self._send_rectangle(h, layer, 1, blocks, digests)
+        h.layers_sent.add(layer)
+
+    def send_blocks(self, h: Outgoing, layers: Sequence[Sequence[Buffer]],
+                    digests: Sequence[bytes] | None = None) -> None:
+        """Send every layer of every block, block by block (``layers[j][i]``: layer ``lo + j`` of
+        block i): each LAYER frame carries whole blocks, their block-layers in memory order, so a
+        block-contiguous KV (LKHTD) is read front to back and lands front to back. For a transfer whose
+        layers all exist already; layer-wise streaming is :meth:`send_layer`. Raw links only, and a
+        block's layers must fit one frame and the receiver's budget (else: one frame per layer)."""
+        meta = h.meta
+        lo, nl, nb = meta.layers.start, len(meta.layers), meta.n_blocks
+        if len(layers) != nl or any(len(v) != nb for v in layers):
+            raise TransferError(f"send_blocks needs {nl} layers of {nb} block views")
+        if digests is not None and (len(digests) != nl or any(len(d) != 8 * nb for d in digests)):
+            raise TransferError(f"send_blocks needs {nl} digest strings of {8 * nb} bytes")
+        unit = nl * meta.block_layer_bytes
+        if h.link is not None or h.layers_sent or unit > self.max_frame_bytes \
+                or (self.bp.enabled and unit > self.window.budget):
+            for j, layer in enumerate(meta.layers):
+                self.send_layer(h, layer, layers[j], None if digests is None else digests[j])
+            return
+        chunks = [v for block in zip(*layers, strict=True) for v in block]  # block-major
+        known = None
+        if digests is not None:  # per layer -> per block, in the chunks' order
+            known = np.frombuffer(b"".join(digests), dtype="<u8").reshape(nl, nb).T.tobytes()
+        self._send_rectangle(h, lo, nl, chunks, known)
+        h.layers_sent.update(meta.layers)
+
+    def _send_rectangle(self, h: Outgoing, layer: int, n_layers: int, chunks: Sequence[Buffer],
+                        digests: bytes | None) -> None:
+        """LAYER frames of whole units (one block's ``n_layers`` consecutive block-layers from
+        ``layer``; ``chunks`` unit after unit), as many units a frame as the frame size and the
+        credits allow."""
+        lb = h.meta.block_layer_bytes
+        unit = n_layers * lb
+        n_units = len(chunks) // n_layers
+        per_frame = max(1, self.max_frame_bytes // unit)
         i = 0
         try:
-            while i < len(blocks):
+            while i < n_units:
                 if h.error is not None or self._dead is not None:
                     raise h.error or self._dead or PeerError("connection failed")
-                k = min(per_frame, len(blocks) - i)
+                k = min(per_frame, n_units - i)
                 if self.bp.enabled:
-                    wait_for(self.window, lb, self.credit_timeout_s)
-                    k = max(1, min(k, self.window.available // lb))
-                self.window.consume(k * lb)
-                self._send(LayerHead(h.tid, layer, i), blocks[i : i + k], lb,
-                           None if digests is None else digests[8 * i : 8 * (i + k)])
-                h.sent_bytes += k * lb
-                self._sent_bytes.inc(k * lb)
+                    wait_for(self.window, unit, self.credit_timeout_s)
+                    k = max(1, min(k, self.window.available // unit))
+                self.window.consume(k * unit)
+                a, b = i * n_layers, (i + k) * n_layers
+                self._send(LayerHead(h.tid, layer, i, n_layers), chunks[a:b], lb,
+                           None if digests is None else digests[8 * a : 8 * b])
+                h.sent_bytes += k * unit
+                self._sent_bytes.inc(k * unit)
                 i += k
         except PeerError as exc:  # a frame may be half written: the stream is unusable
             self._die(exc)
@@ -351,7 +390,6 @@ class Sender:
                 self._fail(h, exc)
             self._send_abort(h, exc)
             raise
-        h.layers_sent.add(layer)
 
     def _encode_layer(self, link: LinkCodec, layer: int, blocks: Sequence[Buffer]) -> list[memoryview]:
         cb = link.chunk_bytes
@@ -392,11 +430,12 @@ class Sender:
 
     def send(self, meta: TransferMeta, layer_blocks: Callable[[int], Sequence[Buffer]],
              timeout_s: float | None = 60.0, layer_digests: Callable[[int], bytes] | None = None) -> Outgoing:
-        """Whole transfer: begin, every layer in order (``layer_blocks(l)``, with the producer's
-        ``layer_digests(l)`` when it has them, see :meth:`send_layer`), end."""
+        """Whole transfer: begin, every block with all its layers (:meth:`send_blocks`; the views of
+        every layer, ``layer_blocks(l)``, and the producer's ``layer_digests(l)`` when it has them),
+        end."""
         h = self.begin(meta, timeout_s)
-        for layer in meta.layers:
-            self.send_layer(h, layer, layer_blocks(layer), None if layer_digests is None else layer_digests(layer))
+        layers = [layer_blocks(layer) for layer in h.meta.layers]
+        self.send_blocks(h, layers, None if layer_digests is None else [layer_digests(la) for la in h.meta.layers])
         self.end(h, timeout_s)
         return h
 

@@ -1,15 +1,16 @@
-"""KV transfer: wire format, sender/receiver, transports (inproc, shm, tcp), credit-based backpressure.
+"""KV transfer: sender/receiver, transports (inproc, shm, tcp, striped), credit-based backpressure.
 
-Modules, bottom to top::
+The wire (frames, typed messages, the handshake, the sync shell FrameIO) is :mod:`kvport.protocol`,
+below this package. Modules, bottom to top::
 
-    wire         frame encode/decode, MsgType, Limits (pure, no I/O)        docs/wire-format.md
-    transport    Transport protocol (send / recv_into / readable / close), TokenBucket, RateLimited
-    framing      FrameIO (sync) and read_frame_async / write_frame_async: adapters that fill buffers
-    tcp | shm | inproc | striped   transports; auth: HMAC handshake for non-loopback listeners
-    meta         TransferMeta (TRANSFER_BEGIN map) and check_compatible
-    credits      Backpressure, CreditWindow, CreditPool, Admitted / Rejected(RejectReason, retry_after, detail)
+    tcp | shm | inproc | striped   transports (tcp: listener / connect over protocol.net sockets,
+                                   the one handshake beyond loopback); ratelimit: TokenBucket, RateLimited
+    meta         check_compatible (TransferMeta, the TRANSFER_BEGIN map, is protocol.transfer's)
+    credits      Backpressure, CreditWindow, CreditPool, Admitted (Rejected is protocol.rejects')
     destination  Destination protocol: BlockTable, LayerMajor, HostTier
-    sender | receiver   the two ends of a transfer (layer-wise streaming, wait_for_layer)
+    linkcodec    a codec per link: block-layers travel encoded
+    sender | receiver   the two ends of a transfer: layer-wise streaming or whole blocks, every
+                 (block, layer) verified exactly once, commits recorded as hand-offs between ledgers
 """
 
 from kvport.protocol.frame import Flags, Limits, MsgType

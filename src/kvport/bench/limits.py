@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from kvport.bench.harness import gbps, time_it
+from kvport.protocol.net import tune
 
 
 def memcpy_gbps(nbytes: int, trials: int = 5) -> float:
@@ -30,8 +31,10 @@ def memcpy_gbps(nbytes: int, trials: int = 5) -> float:
 _SOCK_CHUNK = 4 << 20
 
 
-def _socket_sink(port: int, nbytes: int, rounds: int) -> None:
+def _socket_sink(port: int, nbytes: int, rounds: int, tuned: bool = False) -> None:
     s = socket.create_connection(("127.0.0.1", port))
+    if tuned:
+        tune(s)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_CHUNK)
     buf = bytearray(_SOCK_CHUNK)
     mv = memoryview(buf)
@@ -46,9 +49,12 @@ def _socket_sink(port: int, nbytes: int, rounds: int) -> None:
     s.close()
 
 
-def raw_socket_gbps(nbytes: int, trials: int = 3) -> float | None:
+def raw_socket_gbps(nbytes: int, trials: int = 3, tuned: bool = False) -> float | None:
     """Plain Python TCP loopback: sendall of 4 MiB memoryview slices, recv_into a reused buffer,
-    in a second process; one ack byte per round. The ceiling the TCP transport is compared with."""
+    in a second process; one ack byte per round. The ceiling the TCP transport is compared with.
+    ``tuned``: both sockets get kvport's own socket settings (:func:`kvport.protocol.net.tune`: on
+    loopback a congestion control that does not pace), so a suite whose sockets are tuned compares
+    with a limit tuned the same way; otherwise the system's defaults."""
     payload = np.ones(nbytes, dtype=np.uint8)
     mv = payload.data.cast("B")
     ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -56,11 +62,13 @@ def raw_socket_gbps(nbytes: int, trials: int = 3) -> float | None:
     ls.listen(1)
     port = ls.getsockname()[1]
     ctx = mp.get_context("spawn")
-    proc = ctx.Process(target=_socket_sink, args=(port, nbytes, trials + 1), daemon=True)
+    proc = ctx.Process(target=_socket_sink, args=(port, nbytes, trials + 1, tuned), daemon=True)
     proc.start()
     try:
         ls.settimeout(60)
         conn, _ = ls.accept()
+        if tuned:
+            tune(conn)
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_CHUNK)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         times: list[float] = []

@@ -15,8 +15,8 @@ joins it and decodes::
     store prompt + answer blocks in the shared tier (system prompt: PREFIX, the rest: SESSION),
     skipping the blocks the prefill worker found there already
 
-A transfer that fails or is refused (``TransferError``) makes this request recompute its prefill
-here, from the prompt tokens, with the same output. Restarting this process loses nothing but its
+A transfer that fails or is refused (a ``TransferError``, or an ownership error) makes this request
+recompute its prefill here, from the prompt tokens, with the same output. Restarting this process loses nothing but its
 buffers: the session KV lives in the shared tier, where the server records the PUT as a hand-off to
 the pool (lifetime SESSION or PREFIX). Once a request is answered the engine frees its KV and its
 ledger forgets the acquired blocks: it owns nothing between requests. Storage is the store port.

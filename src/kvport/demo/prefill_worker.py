@@ -44,7 +44,7 @@ from kvport.demo import messages
 from kvport.demo.calibrate import quick_profile
 from kvport.demo.quiet import quiet_transformers
 from kvport.engines.hf import HFEngine, StoreBlocks
-from kvport.errors import KVPortError, PeerError, TransferError
+from kvport.errors import KVPortError, PeerError
 from kvport.keys import chain_keys
 from kvport.ledger import Ledger, Move, Owner
 from kvport.planner import Action, Cached, Load, Planner, Request
@@ -120,7 +120,7 @@ class PrefillWorker:
             time.sleep(adm.retry_after_s if adm.retry_after_s is not None else 0.05)
         return rejections
 
-    def _stream(self, h: Outgoing, rows: np.ndarray, n: int, errors: list[TransferError], busy: list[float]) -> None:
+    def _stream(self, h: Outgoing, rows: np.ndarray, n: int, errors: list[KVPortError], busy: list[float]) -> None:
         sender = self._connected()
         for _ in range(self.spec.num_layers):
             i = self._layers.get()
@@ -131,7 +131,7 @@ class PrefillWorker:
             t0 = time.perf_counter()
             try:
                 sender.send_layer(h, i, [rows[j, i] for j in range(n)])
-            except TransferError as exc:
+            except KVPortError as exc:
                 errors.append(exc)
             busy.append(time.perf_counter() - t0)
 
@@ -176,12 +176,12 @@ class PrefillWorker:
             cache = self.eng.layout.cache(self.eng.model.config, 0)
         # stream: begin (compatibility check) before computing, layers as they finish
         sender = self._connected()
-        errors: list[TransferError] = []
+        errors: list[KVPortError] = []
         busy: list[float] = []
         h: Outgoing | None = None
         try:
             h = sender.begin(TransferMeta(self.spec, rid, tuple(keys)))
-        except TransferError as exc:
+        except KVPortError as exc:
             errors.append(exc)
         rows = staging.numpy().reshape(n, self.spec.num_layers, -1).view(np.uint8)
         streamer = None
@@ -211,7 +211,7 @@ class PrefillWorker:
                     raise errors[0]
                 sender.end(h)
                 committed = True
-            except TransferError as exc:
+            except KVPortError as exc:
                 if not errors:
                     errors.append(exc)
                 if not h.done:

@@ -13,6 +13,8 @@ KVPORT_REDIS_URL            Redis tier URL                                      
 KVPORT_AUTH_TOKEN           shared secret for non-loopback servers                  (none)
 KVPORT_LOG_LEVEL            logging level                                           WARNING
 KVPORT_TRACE_DIR            folder of benchmark traces (``bench trace``)            <checkout>/../shared/traces
+KVPORT_LOAD_DEADLINE        a load's deadline: ``MIN_S:FACTOR:MAX_S`` -- FACTOR x   1:4:30
+                            the planner's expected load time, within [MIN_S, MAX_S]
 ==========================  =====================================================  ===========================
 """
 
@@ -23,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvport.deadline import DeadlinePolicy
 from kvport.errors import ConfigError
 
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -37,6 +40,7 @@ class Settings:
     auth_token: str | None = field(default=None, repr=False)
     log_level: str = "WARNING"
     trace_dir: Path | None = None
+    load_deadline: DeadlinePolicy = field(default_factory=DeadlinePolicy)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -53,7 +57,22 @@ class Settings:
             auth_token=e.get("KVPORT_AUTH_TOKEN") or None,
             log_level=level,
             trace_dir=Path(e["KVPORT_TRACE_DIR"]).expanduser() if e.get("KVPORT_TRACE_DIR") else None,
+            load_deadline=_deadline_policy(e.get("KVPORT_LOAD_DEADLINE")),
         )
+
+
+def _deadline_policy(text: str | None) -> DeadlinePolicy:
+    if not text:
+        return DeadlinePolicy()
+    parts = text.split(":")
+    try:
+        lo, factor, hi = (float(p) for p in parts)
+    except ValueError:
+        raise ConfigError(f"KVPORT_LOAD_DEADLINE={text!r}: expected MIN_S:FACTOR:MAX_S, e.g. 1:4:30") from None
+    try:
+        return DeadlinePolicy(lo, factor, hi)
+    except ConfigError as exc:
+        raise ConfigError(f"KVPORT_LOAD_DEADLINE={text!r}: {exc}") from None
 
 
 def subprocess_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

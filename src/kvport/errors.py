@@ -38,7 +38,8 @@ so callers catch kvport types only. Backpressure is *not* an error: admission re
     │   ├── ChecksumError              payload chunk failed its checksum
     │   ├── PeerError                  connection reset, peer died, peer stopped reading
     │   ├── AuthError                  handshake failed / missing token
-    │   └── BackpressureTimeout        waited for credits longer than the timeout
+    │   ├── BackpressureTimeout        waited for credits longer than the timeout
+    │   └── DeadlineExceeded           a load ran past its deadline: it is a miss
     ├── PlannerError
     │   ├── ProfileError               missing, stale or malformed calibration profile
     │   └── PlanInputError             nonsense request or observation (negative length, zero bandwidth)
@@ -202,6 +203,10 @@ class AuthError(TransferError):
 
 class BackpressureTimeout(TransferError):
     pass
+
+
+class DeadlineExceeded(TransferError):
+    """A load ran past its deadline (:mod:`kvport.deadline`); the caller recomputes."""
 
 
 # ---------------------------------------------------------------- planner / server / engines

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvport.deadline import timeout_for
 from kvport.errors import ConfigError, PeerError, ProtocolError, ServerError
 from kvport.protocol.errors import remote_error
 from kvport.protocol.frame import Flags, FrameHeader, Limits
@@ -57,7 +58,8 @@ class ServerConn:
     def __init__(self, cfg: ClientConfig) -> None:
         self.cfg = cfg
         tls = _tls_context(cfg) if cfg.tls else None
-        self.t: SocketTransport = connect_socket(cfg.host, cfg.port, cfg.timeout_s, tls=tls,
+        connect_s = max(0.001, timeout_for(cfg.timeout_s) or cfg.timeout_s)  # within a load's deadline
+        self.t: SocketTransport = connect_socket(cfg.host, cfg.port, connect_s, tls=tls,
                                                  server_name=cfg.tls_server_name)
         self.io = FrameIO(self.t, HANDSHAKE_LIMITS)
         self._corr = itertools.count(1)
@@ -69,6 +71,7 @@ class ServerConn:
         except BaseException:
             self.close()
             raise
+        self.t.settimeout(cfg.timeout_s)  # the handshake ran within the load's deadline, if any
         self.page_bytes, self.max_value_bytes = page, maxv
         self.io.limits = Limits(max_meta_bytes=16 << 20, max_payload_bytes=maxv, max_chunk_bytes=page,
                                 max_chunks=-(-maxv // page))
@@ -126,8 +129,9 @@ class ConnPool:
                 if self._open < self.cfg.pool_size:
                     self._open += 1
                     break
-                if not self._cv.wait(self.cfg.timeout_s):
-                    raise PeerError(f"no pooled connection free within {self.cfg.timeout_s} s")
+                wait_s = timeout_for(self.cfg.timeout_s)  # a load's deadline shortens the wait
+                if not self._cv.wait(wait_s):
+                    raise PeerError(f"no pooled connection free within {wait_s} s")
         try:
             return ServerConn(self.cfg)
         except BaseException:

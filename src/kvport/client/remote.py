@@ -26,10 +26,13 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kvport.client.conn import ClientConfig, ConnPool, ServerConn
+from kvport.deadline import current as current_deadline
+from kvport.deadline import timeout_for
 from kvport.errors import (
     BlockNotFoundError,
     BufferMismatchError,
     ChecksumError,
+    DeadlineExceeded,
     PeerError,
     ProtocolError,
     TierFullError,
@@ -107,29 +110,43 @@ class RemoteTier(Tier):
     # ------------------------------------------------------------ plumbing
     def _take(self) -> ServerConn:
         last: Exception | None = None
+        deadline = current_deadline()
         for i in range(self.cfg.retries + 1):
             try:
                 return self._pool.take()
             except PeerError as exc:
                 last = exc
-                time.sleep(min(0.05 * 2**i, 1.0))
+                if deadline is not None and deadline.expired:
+                    raise DeadlineExceeded(f"{self.name}: server unreachable within the load's deadline") from exc
+                time.sleep(min(0.05 * 2**i, 1.0, deadline.remaining() if deadline is not None else 1.0))
         raise TierUnavailableError(f"{self.name}: server unreachable: {last}") from last
 
     def _call(self, fn: Callable[[ServerConn], T], idempotent: bool = True) -> T:
+        """One request on a pooled connection; retried on a broken connection when idempotent. Under
+        a current deadline (:func:`kvport.deadline.current`: a load's) every wait on the server is
+        cut to the time left, and no retry starts past it (DeadlineExceeded)."""
         attempts = self.cfg.retries + 1 if idempotent else 1
         last: Exception | None = None
+        deadline = current_deadline()
         for i in range(attempts):
+            if deadline is not None:
+                deadline.check(f"{self.name} request")
             conn = self._take()
+            conn.t.settimeout(max(0.001, timeout_for(self.cfg.timeout_s) or self.cfg.timeout_s))
             try:
                 out = fn(conn)
             except _RETRYABLE as exc:
                 self._pool.give(conn, False)
                 last = exc
-                time.sleep(min(0.02 * 2**i, 0.5))
+                if deadline is not None and deadline.expired:
+                    raise DeadlineExceeded(f"{self.name}: no answer within the load's deadline ({exc})") from exc
+                time.sleep(min(0.02 * 2**i, 0.5, deadline.remaining() if deadline is not None else 0.5))
                 continue
             except BaseException:
                 self._pool.give(conn, False)
                 raise
+            if deadline is not None:
+                conn.t.settimeout(self.cfg.timeout_s)
             self._pool.give(conn, True)
             return out
         if isinstance(last, ChecksumError):
@@ -138,6 +155,9 @@ class RemoteTier(Tier):
 
     def _with_backpressure(self, fn: Callable[[ServerConn], T | Rejected]) -> T | Rejected:
         deadline = time.monotonic() + self.cfg.backpressure_timeout_s
+        load_deadline = current_deadline()
+        if load_deadline is not None:
+            deadline = min(deadline, load_deadline.at)
         while True:
             out = self._call(fn)
             if not isinstance(out, Rejected):

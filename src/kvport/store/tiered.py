@@ -36,10 +36,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from kvport.deadline import Deadline, within
 from kvport.errors import (
     BlockNotFoundError,
     ConfigError,
     CorruptBlockError,
+    DeadlineExceeded,
     IllegalMoveError,
     QuotaExceededError,
     TierError,
@@ -410,23 +412,44 @@ class TieredStore:
         _USED.labels(name).set(self._idx[name].used)
 
     # ------------------------------------------------------------------ get
-    def get_into(self, key: bytes, dst: Buffer) -> int:
+    def get_into(self, key: bytes, dst: Buffer, *, deadline: Deadline | None = None) -> int:
         """Copy the block into ``dst`` from the top-most healthy tier holding it; promote it to the
-        top allowed tier when found lower. BlockNotFoundError when no working tier has it."""
+        top allowed tier when found lower. BlockNotFoundError when no working tier has it;
+        DeadlineExceeded when ``deadline`` passes first (the store's lock and the tiers' waits on a
+        peer are bounded by it)."""
 
         def read(t: Tier) -> memoryview:
             return byte_view(dst)[: t.get_into(key, dst)]
 
-        return self._read(key, read)
+        with self._locked(deadline):
+            return self._read(key, read, deadline)
 
     @contextlib.contextmanager
-    def holding(self) -> Iterator[None]:
+    def _locked(self, deadline: Deadline | None) -> Iterator[None]:
+        """The store's lock, waited for at most until ``deadline``; tier calls inside see it as the
+        current deadline (remote tiers set their socket timeouts from it)."""
+        if deadline is None:
+            with self._lock:
+                yield
+            return
+        if not self._lock.acquire(timeout=deadline.remaining()):
+            raise DeadlineExceeded("the store was busy past the load's deadline")
+        try:
+            with within(deadline):
+                yield
+        finally:
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def holding(self, deadline: Deadline | None = None) -> Iterator[None]:
         """Hold the store's (reentrant) lock for the block: zero-copy views handed out by
-        :meth:`consume` inside it stay valid until it exits (nothing is evicted or replaced)."""
-        with self._lock:
+        :meth:`consume` inside it stay valid until it exits (nothing is evicted or replaced).
+        With a ``deadline``, waits for the lock at most until then (DeadlineExceeded)."""
+        with self._locked(deadline):
             yield
 
-    def consume(self, key: bytes, fn: Callable[[memoryview], None], scratch: Buffer) -> int:
+    def consume(self, key: bytes, fn: Callable[[memoryview], None], scratch: Buffer, *,
+                deadline: Deadline | None = None) -> int:
         """Hand the block's bytes to ``fn``: a read-only view of the holding tier's own memory where
         it allows one (``caps.zero_copy_read``: the host pool, no copy), else ``scratch`` filled by
         ``get_into``. The view is valid only during ``fn``: the store's lock is held, so nothing is
@@ -438,14 +461,17 @@ class TieredStore:
             fn(view)
             return view
 
-        return self._read(key, read)
+        with self._locked(deadline):
+            return self._read(key, read, deadline)
 
-    def get_many_into(self, items: Sequence[tuple[bytes, Buffer]]) -> list[int | None]:
+    def get_many_into(self, items: Sequence[tuple[bytes, Buffer]], *,
+                      deadline: Deadline | None = None) -> list[int | None]:
         """Batched :meth:`get_into`: runs of keys held by the same tier are read with one batched tier
         call (a disk slab's neighbours with one ``preadv``); None for a key no working tier holds or
-        whose bytes failed their check (a clean miss, dropped from that tier)."""
+        whose bytes failed their check (a clean miss, dropped from that tier). Past ``deadline`` the
+        keys not read yet are None (a miss: the caller recomputes them)."""
         out: list[int | None] = [None] * len(items)
-        with self._lock:
+        with self._locked(deadline):
             missing = [i for i, (k, _) in enumerate(items) if k not in self._meta]
             if missing:
                 self._probe_shared(tuple(items[i][0] for i in missing), 0)
@@ -453,7 +479,7 @@ class TieredStore:
             run_tier: str | None = None
 
             def flush() -> None:
-                if run_tier is None or not run:
+                if run_tier is None or not run or (deadline is not None and deadline.expired):
                     return
                 t = self.tiers[run_tier]
                 try:
@@ -700,7 +726,7 @@ class TieredStore:
         with self._lock:
             return list(self._meta)
 
-    def _read(self, key: bytes, read: Callable[[Tier], memoryview]) -> int:
+    def _read(self, key: bytes, read: Callable[[Tier], memoryview], deadline: Deadline | None = None) -> int:
         with self._lock:
             m = self._meta.get(key)
             if m is None and not self._probe_shared((key,), 0):
@@ -708,6 +734,8 @@ class TieredStore:
             for name in self.names:
                 if key not in self._idx[name]:
                     continue
+                if deadline is not None:
+                    deadline.check(f"read of block {key.hex()}")
                 t = self.tiers[name]
                 if not self._health.healthy(t):
                     continue

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from kvport.deadline import Deadline, within
 from kvport.errors import BufferMismatchError
 from kvport.keys import BlockKey
 from kvport.spec import KVSpec
@@ -67,7 +68,8 @@ class StoreBlocks:
         self.last_tiers = res.tiers[:n]
         return n
 
-    def read_each(self, keys: Sequence[BlockKey], fn: Callable[[int, memoryview], None]) -> None:
+    def read_each(self, keys: Sequence[BlockKey], fn: Callable[[int, memoryview], None], *,
+                  deadline: Deadline | None = None) -> None:
         """``fn(i, bytes of keys[i:i + k])`` over all keys in order, without a copy where the holding
         tier allows (:meth:`TieredStore.consume`; the views are valid only during the call).
         Blocks that lie back to back in the tier's memory (a host pool whose pages were handed out
@@ -85,8 +87,10 @@ class StoreBlocks:
                 fn(run_start, _joined(run, run_at))
                 run.clear()
 
-        with self.store.holding():  # the views stay valid (nothing evicted) until the last flush
+        with self.store.holding(deadline):  # the views stay valid (nothing evicted) until the last flush
             for i, key in enumerate(keys):
+                if deadline is not None:
+                    deadline.check(f"load of {len(keys)} blocks")
                 def take(view: memoryview, i: int = i, key: BlockKey = key) -> None:
                     nonlocal run_start, run_at
                     if view.nbytes != bb:
@@ -102,13 +106,13 @@ class StoreBlocks:
                         run.append(view)
                         run_start, run_at = i, at
 
-                self.store.consume(key, take, scratch)
+                self.store.consume(key, take, scratch, deadline=deadline)
             flush()
 
-    def read_into(self, keys: Sequence[BlockKey], out: torch.Tensor) -> None:
+    def read_into(self, keys: Sequence[BlockKey], out: torch.Tensor, *, deadline: Deadline | None = None) -> None:
         rows = _byte_rows(out, len(keys), self.block_bytes, "staging")
         for i, key in enumerate(keys):
-            n = self.store.get_into(key, rows[i])
+            n = self.store.get_into(key, rows[i], deadline=deadline)
             if n != self.block_bytes:
                 raise BufferMismatchError(f"block {key.hex()} holds {n} bytes, a block is {self.block_bytes}")
 
@@ -135,10 +139,13 @@ class TierBlocks:
             n += 1
         return n
 
-    def read_into(self, keys: Sequence[BlockKey], out: torch.Tensor) -> None:
+    def read_into(self, keys: Sequence[BlockKey], out: torch.Tensor, *, deadline: Deadline | None = None) -> None:
         arr = _byte_rows(out, len(keys), self.block_bytes, "staging")
         for i, key in enumerate(keys):
-            n = self.tier.get_into(key, arr[i])
+            if deadline is not None:
+                deadline.check(f"load of {len(keys)} blocks")
+            with within(deadline):  # a remote tier's waits are cut to the time left
+                n = self.tier.get_into(key, arr[i])
             if n != self.block_bytes:
                 raise BufferMismatchError(f"block {key.hex()} holds {n} bytes, a block is {self.block_bytes}")
 

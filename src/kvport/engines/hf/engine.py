@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from kvport import metrics
+from kvport.deadline import DeadlinePolicy
 from kvport.engines.hf.layout import BlockLayout, cache_layers
 from kvport.engines.hf.port import BlockStore, Lifetime
 from kvport.errors import EngineError, KVPortError
@@ -94,7 +95,7 @@ class HFEngine:
     def __init__(self, model: Any, spec: KVSpec, store: BlockStore | None = None, *,
                  key_ctx: KeyContext | None = None, eos_token_ids: Sequence[int] | None = None,
                  planner: Planner | None = None, tier_name: str = "store", gqa_attention: bool = True,
-                 prefetch_weights: bool = False) -> None:
+                 prefetch_weights: bool = False, deadlines: DeadlinePolicy | None = None) -> None:
         """``gqa_attention``: switch a CPU model on stock ``sdpa`` to kvport's grouped-query variant
         (:func:`kvport.engines.hf.cache.use_gqa_attention`; same outputs, no K/V expansion under a mask)
         and lay its decoder's linear weights out as ``[in, out]`` in memory
@@ -102,7 +103,9 @@ class HFEngine:
         ``prefetch_weights``: read the next layer's weights on a spare core during each forward
         (:mod:`kvport.engines.hf.prefetch`; same outputs; worth it only when the process computes on
         fewer cores than it may use). Both change ``model`` itself, so every user of the model (a
-        baseline too) runs the same way."""
+        baseline too) runs the same way. ``deadlines``: how long a load may take (factor x the
+        planner's expected load time, within bounds; the policy's maximum without a planner); a load
+        past it is a miss and the request recomputes."""
         cfg = model.config.get_text_config(decoder=True)
         n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -115,6 +118,7 @@ class HFEngine:
         self.spec = spec
         self.store = store
         self.planner = planner  # asked before every load; None = always load what is cached
+        self.deadlines = deadlines or DeadlinePolicy()
         self.tier_name = tier_name  # the planner profile's link/tier name for ``store``
         self.layout = BlockLayout(spec)
         if next(model.parameters()).dtype != self.layout.dtype:
@@ -168,6 +172,7 @@ class HFEngine:
             hit = min(self.store.longest_prefix(keys), len(keys))
             if hit <= 0:
                 return Loaded(0, None)
+            expected: float | None = None
             if self.planner is not None:
                 bs = self.spec.block_size
                 req = Request(prompt_tokens=max(prompt_tokens or 0, hit * bs + 1), spec=self.spec,
@@ -175,13 +180,15 @@ class HFEngine:
                 decision = self.planner.decide(req)
                 if decision.action is Action.RECOMPUTE:
                     return Loaded(0, None, f"planner: {decision.reason}")
+                expected = decision.choice.seconds
+            deadline = self.deadlines.for_expected(expected)
             t0 = time.perf_counter()
             read_each = getattr(self.store, "read_each", None)
             if read_each is not None:  # straight from the store's memory into the landing buffer
                 self.layout.reserve(hit)
-                read_each(keys[:hit], self.layout.gather_block)
+                read_each(keys[:hit], self.layout.gather_block, deadline=deadline)
             else:
-                self.store.read_into(keys[:hit], self.layout.staging(hit))
+                self.store.read_into(keys[:hit], self.layout.staging(hit), deadline=deadline)
             if self.planner is not None:
                 self.planner.observe_transfer(hit * self.spec.bytes_per_block, time.perf_counter() - t0,
                                               self.tier_name, LinkKind.TIER)

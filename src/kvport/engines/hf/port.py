@@ -5,7 +5,7 @@ belongs to ``keys[i]``. A store raises kvport errors only (``TierError`` family 
 or unreachable block, ``CodecError`` for an undecodable one); the engine turns any of them into a
 recompute of the affected tokens.
 
-Optional: a store may also offer ``read_each(keys, fn)``, calling ``fn(i, view)`` with the raw bytes
+Optional: a store may also offer ``read_each(keys, fn, deadline=None)``, calling ``fn(i, view)`` with the raw bytes
 of blocks ``i, i+1, ...`` (one or more whole blocks per call, in key order, valid only during the
 call). The engine then copies straight from the store's memory into the cache and skips the staging
 buffer (:class:`~kvport.engines.hf.adapters.StoreBlocks` does this over a host pool).
@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from kvport.deadline import Deadline
 from kvport.keys import BlockKey
 from kvport.lifetime import Lifetime
 
@@ -29,8 +30,9 @@ class BlockStore(Protocol):
         """How many leading ``keys`` are held (a block is useless without its whole prefix)."""
         ...
 
-    def read_into(self, keys: Sequence[BlockKey], out: torch.Tensor) -> None:
-        """Copy the blocks of ``keys`` into ``out[: len(keys)]``; raise on any missing or bad block."""
+    def read_into(self, keys: Sequence[BlockKey], out: torch.Tensor, *, deadline: Deadline | None = None) -> None:
+        """Copy the blocks of ``keys`` into ``out[: len(keys)]``; raise on any missing or bad block, and
+        ``DeadlineExceeded`` once ``deadline`` passes (nothing waits past it)."""
         ...
 
     def write(self, keys: Sequence[BlockKey], blocks: torch.Tensor, lifetime: Lifetime,

@@ -15,8 +15,11 @@ joins it and decodes::
     store prompt + answer blocks in the shared tier (system prompt: PREFIX, the rest: SESSION),
     skipping the blocks the prefill worker found there already
 
-A transfer that fails or is refused (a ``TransferError``, or an ownership error) makes this request
-recompute its prefill here, from the prompt tokens, with the same output. Restarting this process loses nothing but its
+A transfer that fails or is refused (a ``TransferError``, or an ownership error), or does not arrive
+within the request's load deadline (the router's expected time for the rest of the stream, scaled
+and bounded by ``KVPORT_LOAD_DEADLINE``; the receive then abandons the transfer: void, credits back,
+the sender told), makes this request recompute its prefill here, from the prompt tokens, with the
+same output. Restarting this process loses nothing but its
 buffers: the session KV lives in the shared tier, where the server records the PUT as a hand-off to
 the pool (lifetime SESSION or PREFIX). Once a request is answered the engine frees its KV and its
 ledger forgets the acquired blocks: it owns nothing between requests. Storage is the store port.
@@ -26,29 +29,36 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from kvport.client.conn import ClientConfig
 from kvport.client.port import StoreConfig, open_store
+from kvport.deadline import DeadlinePolicy
 from kvport.demo import messages
 from kvport.demo.quiet import quiet_transformers
 from kvport.engines.hf import BlockLayout, HFEngine, Lifetime, StoreBlocks, dynamic_cache
-from kvport.errors import BufferMismatchError, KVPortError, ProtocolError
+from kvport.errors import BufferMismatchError, DeadlineExceeded, KVPortError, PeerError, ProtocolError
 from kvport.ledger import Ledger, Owner
 from kvport.spec import DType, from_hf_config
-from kvport.transfer import Backpressure, BlockTableDestination, Receiver, TransferMeta
+from kvport.transfer import Backpressure, BlockTableDestination, Incoming, Receiver, TransferMeta
+from kvport.transfer.receiver import InState
 from kvport.transfer.tcp import TcpListener
+
+T = TypeVar("T")
+_STEP_S = 0.1  # a receive waits in steps this long, watching for its request's deadline
 
 
 class DecodeWorker:
     def __init__(self, model_dir: Path, shared_port: int, threads: int, budget_bytes: int, max_blocks: int,
-                 owner: str = "decode", peer: str = "prefill") -> None:
+                 owner: str = "decode", peer: str = "prefill", deadlines: DeadlinePolicy | None = None) -> None:
         from kvport.refmodel import load
 
         torch.set_num_threads(threads)
@@ -59,6 +69,7 @@ class DecodeWorker:
                                             server=ClientConfig(port=shared_port)))
         self.owner, self.peer = Owner.engine(owner), Owner.engine(peer)
         self.kv_ledger = Ledger(owners=[self.owner], peers=[self.peer])  # the KV this engine holds
+        self.deadlines = deadlines or DeadlinePolicy()
         self.eng = HFEngine(model, self.spec, StoreBlocks(self.store, self.spec))
         self.plain = HFEngine(model, self.spec, None)  # recompute path when a transfer fails
         self.recv = BlockLayout(self.spec, capacity_blocks=max_blocks)
@@ -68,7 +79,7 @@ class DecodeWorker:
         self.receiver: Receiver | None = None
         self._connected = threading.Event()
         self._rx = ThreadPoolExecutor(1, thread_name_prefix="decode-rx")
-        self._pending: dict[str, tuple[float, Future[tuple[Any, int, tuple[bytes, ...]]]]] = {}
+        self._pending: dict[str, tuple[float, threading.Event, Future[tuple[Any, int, tuple[bytes, ...]]]]] = {}
         threading.Thread(target=self._accept, name="decode-accept", daemon=True).start()
 
     def _destination(self, meta: TransferMeta) -> BlockTableDestination:
@@ -86,45 +97,79 @@ class DecodeWorker:
         self.receiver.start()
         self._connected.set()
 
-    def _receive(self, rid: str, n_tok: int) -> tuple[Any, int, tuple[bytes, ...]]:
+    def _receive(self, rid: str, n_tok: int, cancel: threading.Event) -> tuple[Any, int, tuple[bytes, ...]]:
         """The prefill worker's KV for ``rid`` as a cache of exactly ``n_tok`` tokens, its bytes, and
-        the blocks this engine now owns (acquired, recorded in its KV ledger)."""
-        if not self._connected.wait(60) or self.receiver is None:
+        the blocks this engine now owns (acquired, recorded in its KV ledger). Every wait is in short
+        steps that watch ``cancel`` (set when the request's load deadline passed): a cancelled
+        receive abandons its transfer (void, credits back, the sender told) and returns."""
+        t0 = time.monotonic()
+        while not self._connected.wait(_STEP_S):
+            if cancel.is_set():
+                raise DeadlineExceeded("the prefill worker did not connect before the load's deadline")
+            if time.monotonic() - t0 > 60:
+                raise ProtocolError("the prefill worker never connected")
+        rx = self.receiver
+        if rx is None:
             raise ProtocolError("the prefill worker never connected")
-        inc = self.receiver.next_transfer(timeout=120)
-        meta = inc.meta
-        if meta.request_id != rid:
-            raise ProtocolError(f"expected the KV of {rid}, got {meta.request_id}")
-        n = meta.n_blocks
-        if n * self.spec.block_size < n_tok or (n - 1) * self.spec.block_size >= n_tok:
-            raise ProtocolError(f"{n} blocks cannot hold exactly {n_tok} tokens")
-        layer_bytes = n * meta.block_layer_bytes
-        layers = []
-        for i in meta.layers:
-            inc.wait_for_layer(i, timeout=120)
-            k, v = self.recv.gather_layer(n, i)
-            layers.append((k[:, :, :n_tok], v[:, :, :n_tok]))
-            self.receiver.release(layer_bytes)
-        inc.wait(timeout=60)
+        inc = self._step(cancel, None, lambda: rx.next_transfer(timeout=_STEP_S))
+        try:
+            meta = inc.meta
+            if meta.request_id != rid:
+                raise ProtocolError(f"expected the KV of {rid}, got {meta.request_id}")
+            n = meta.n_blocks
+            if n * self.spec.block_size < n_tok or (n - 1) * self.spec.block_size >= n_tok:
+                raise ProtocolError(f"{n} blocks cannot hold exactly {n_tok} tokens")
+            layer_bytes = n * meta.block_layer_bytes
+            layers = []
+            for i in meta.layers:
+                self._step(cancel, inc, lambda i=i: inc.wait_for_layer(i, timeout=_STEP_S))  # type: ignore[misc]
+                k, v = self.recv.gather_layer(n, i)
+                layers.append((k[:, :, :n_tok], v[:, :, :n_tok]))
+                rx.release(layer_bytes, inc)
+            self._step(cancel, inc, lambda: inc.wait(timeout=_STEP_S))
+        except BaseException:
+            rx.abandon(inc, "the decode worker gave up on this transfer")
+            raise
         return dynamic_cache(self.eng.model.config, layers), meta.total_bytes, meta.block_keys
+
+    def _step(self, cancel: threading.Event, inc: Incoming | None, wait: Callable[[], T]) -> T:
+        """``wait()`` (which times out after ``_STEP_S`` with PeerError) until it succeeds, or until
+        ``cancel`` is set (DeadlineExceeded) or the link fails for good."""
+        while True:
+            if cancel.is_set():
+                raise DeadlineExceeded("the load's deadline passed before the KV arrived")
+            try:
+                return wait()
+            except PeerError:
+                rx = self.receiver
+                if rx is None or rx.closed.is_set() or (inc is not None and inc.state is not InState.RECEIVING):
+                    raise
 
     def expect(self, rid: str, n_tok: int) -> None:
         if rid in self._pending:
             raise ProtocolError(f"request {rid} is already expected")
-        self._pending[rid] = (time.perf_counter(), self._rx.submit(self._receive, rid, n_tok))
+        cancel = threading.Event()
+        self._pending[rid] = (time.perf_counter(), cancel, self._rx.submit(self._receive, rid, n_tok, cancel))
 
     def decode(self, msg: dict[str, Any]) -> dict[str, Any]:
         rid, prompt = str(msg["rid"]), np.asarray(msg["prompt"], dtype=np.int64)
         first, max_new = int(msg["first_token"]), int(msg["max_new"])
         if rid not in self._pending:
             self.expect(rid, len(prompt))
-        t_expect, fut = self._pending.pop(rid)
+        t_expect, cancel, fut = self._pending.pop(rid)
         t0 = time.perf_counter()
+        expected = msg.get("expected_s")
+        deadline = self.deadlines.for_expected(float(expected) if isinstance(expected, int | float) else None)
         fallback: str | None = None
         received = 0
         acquired: tuple[bytes, ...] = ()
         try:
-            cache, received, acquired = fut.result(timeout=300)
+            try:
+                cache, received, acquired = fut.result(timeout=deadline.remaining())
+            except FutureTimeout:
+                cancel.set()  # the receive abandons its transfer and returns within a step
+                fut.exception(timeout=10 * _STEP_S)
+                raise DeadlineExceeded("no KV within the load's deadline") from None
         except KVPortError as exc:
             fallback = f"{type(exc).__name__}: {exc}"
             pf = self.plain.prefill(prompt)
@@ -163,7 +208,7 @@ def main(conn: Connection, cfg: dict[str, Any]) -> None:
     try:
         w = DecodeWorker(Path(cfg["model_dir"]), int(cfg["shared_port"]), int(cfg["threads"]),
                          int(cfg["budget_bytes"]), int(cfg["max_blocks"]), str(cfg.get("owner", "decode")),
-                         str(cfg.get("peer", "prefill")))
+                         str(cfg.get("peer", "prefill")), DeadlinePolicy(*cfg.get("load_deadline", (1.0, 4.0, 30.0))))
     except Exception as exc:  # the router reports it; nothing else can
         messages.send(conn, {"op": "ready", "ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return

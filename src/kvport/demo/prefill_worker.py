@@ -40,6 +40,7 @@ from kvport import metrics
 from kvport.client.conn import ClientConfig
 from kvport.client.port import StoreConfig, open_store
 from kvport.client.remote import RemoteTier
+from kvport.deadline import DeadlinePolicy
 from kvport.demo import messages
 from kvport.demo.calibrate import quick_profile
 from kvport.demo.quiet import quiet_transformers
@@ -59,7 +60,7 @@ SHARED = "shared"
 
 class PrefillWorker:
     def __init__(self, model_dir: Path, shared_port: int, threads: int, host_bytes: int,
-                 owner: str = "prefill") -> None:
+                 owner: str = "prefill", deadlines: DeadlinePolicy | None = None) -> None:
         from kvport.refmodel import load
 
         torch.set_num_threads(threads)
@@ -74,6 +75,7 @@ class PrefillWorker:
         self.shared = shared
         self.owner = Owner.engine(owner)
         self.kv_ledger = Ledger(owners=[self.owner])  # the KV this engine holds for its requests
+        self.deadlines = deadlines or DeadlinePolicy()
         self.blocks = StoreBlocks(self.store, self.spec)
         self.eng = HFEngine(model, self.spec, self.blocks)
         self.planner = Planner(quick_profile(self.eng, self.shared), machine=machine_id())
@@ -165,7 +167,9 @@ class PrefillWorker:
         if use:
             try:
                 tl = time.perf_counter()
-                self.blocks.read_into(keys[:use], staging)
+                # a load has a deadline: the planner's expected time, scaled and bounded; past it, recompute
+                self.blocks.read_into(keys[:use], staging,
+                                      deadline=self.deadlines.for_expected(decision.choice.seconds))
                 self.eng.layout.gather_all(use)
                 cache = self.eng.layout.cache(self.eng.model.config, use)  # the rest is appended in place
                 load_s = time.perf_counter() - tl
@@ -248,7 +252,8 @@ def main(conn: Connection, cfg: dict[str, Any]) -> None:
     """Process entry: build the worker, answer control messages until ``stop``."""
     try:
         w = PrefillWorker(Path(cfg["model_dir"]), int(cfg["shared_port"]), int(cfg["threads"]),
-                          int(cfg["host_bytes"]), str(cfg.get("owner", "prefill")))
+                          int(cfg["host_bytes"]), str(cfg.get("owner", "prefill")),
+                          DeadlinePolicy(*cfg.get("load_deadline", (1.0, 4.0, 30.0))))
     except Exception as exc:  # the router reports it; nothing else can
         messages.send(conn, {"op": "ready", "ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return

@@ -161,11 +161,13 @@ def run(opts: DemoOptions | None = None, json_path: Path | None = None,
             port = shared.start()
             progress.advance(setup)
             max_blocks = 1024  # 16k tokens: the decode worker's receive buffer, allocated once
+            dl = settings.load_deadline
+            deadline_cfg = (dl.min_s, dl.factor, dl.max_s)
             dcfg = {"model_dir": str(model_dir), "shared_port": port, "threads": opts.threads,
                     "budget_bytes": opts.receive_budget_bytes, "max_blocks": max_blocks, "owner": "decode-1",
-                    "peer": "prefill"}
+                    "peer": "prefill", "load_deadline": deadline_cfg}
             pcfg = {"model_dir": str(model_dir), "shared_port": port, "threads": opts.threads,
-                    "host_bytes": 256 << 20, "owner": "prefill"}
+                    "host_bytes": 256 << 20, "owner": "prefill", "load_deadline": deadline_cfg}
             pw = _Worker("prefill-worker", prefill_worker.main, pcfg)
             dw = _Worker("decode-worker", decode_worker.main, dcfg)
             workers += [pw, dw]
@@ -225,10 +227,13 @@ def run(opts: DemoOptions | None = None, json_path: Path | None = None,
                     dw.send({"op": "expect", "rid": t.rid, "n_tokens": len(t.prompt)})
                     d_replies.append(("expecting", None))
                     t.prefill = pw.call({"op": "prefill", "rid": t.rid, "prompt": t.prompt})
+                    # the rest of the stream after the first token: its bytes over the link measured
+                    # now (None when not measured: the deadline policy's maximum)
+                    expected = None if raw_gbps is None else t.prefill["transfer_bytes"] / (raw_gbps * 1e9)
                     dw.send({"op": "decode", "rid": t.rid, "prompt": t.prompt,
                              "first_token": t.prefill["first_token"], "max_new": wl.max_new_tokens,
                              "hit_blocks": t.prefill["hit_tokens"] // spec.block_size,
-                             "shared_prefix_tokens": shared_prefix})
+                             "shared_prefix_tokens": shared_prefix, "expected_s": expected})
                     d_replies.append(("decoded", t))
                 except KVPortError as exc:
                     t.error = f"{type(exc).__name__}: {exc}"

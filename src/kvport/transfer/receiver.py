@@ -53,6 +53,7 @@ from kvport.errors import (
     ChecksumError,
     CodecError,
     ConfigError,
+    DeadlineExceeded,
     IllegalMoveError,
     KVPortError,
     OwnershipError,
@@ -261,11 +262,24 @@ class Receiver:
                 raise self.error from exc
             raise PeerError(f"no transfer within {timeout} s") from exc
 
-    def release(self, nbytes: int) -> None:
-        """The consumer freed ``nbytes`` of received KV: grant them back to the sender."""
+    def release(self, nbytes: int, inc: Incoming | None = None) -> None:
+        """The consumer freed ``nbytes`` of received KV (of transfer ``inc``, when given: an abort
+        then returns only what the consumer still held): grant them back to the sender."""
+        if inc is not None:
+            with inc._cond:
+                nbytes = min(nbytes, inc.bytes_held)
+                inc.bytes_held -= nbytes
         grant = self.pool.release(nbytes)
         if grant is not None and self.bp.enabled:
             self._send(Credit(grant))
+
+    def abandon(self, inc: Incoming, reason: str = "the consumer gave up (deadline)") -> None:
+        """The consumer gives up on ``inc`` (its load's deadline passed): the transfer is void --
+        nothing of it is linked, the destination is aborted, the credits it held come back and the
+        sender is told (its ledger gives the blocks back to their owner). A transfer that already
+        committed or aborted is left as it is."""
+        if inc.state is InState.RECEIVING:
+            self._abort(inc, DeadlineExceeded(reason))
 
     def close(self) -> None:
         self.t.close()
@@ -410,7 +424,8 @@ class Receiver:
             return
         self.pool.on_received(hdr.payload_len)
         cur.bytes_received += hdr.payload_len
-        cur.bytes_held += hdr.payload_len
+        with cur._cond:  # the consumer releases (and may abandon) from its own thread
+            cur.bytes_held += hdr.payload_len
         lost: list[int] = []
         if cur.link is not None:  # encoded chunks land in a scratch buffer, decoded once verified
             bad, lost = self._read_encoded(cur, cur.link, hdr, layer, nl, b0)
@@ -439,8 +454,7 @@ class Receiver:
             return
         cur._verified_run(layer, b0, ok.reshape(nb, nl).T)
         if self.auto_release:
-            cur.bytes_held -= hdr.payload_len
-            self.release(hdr.payload_len)
+            self.release(hdr.payload_len, cur)
 
     def _read_encoded(self, cur: Incoming, link: LinkCodec, hdr: FrameHeader, layer: int, nl: int,
                       b0: int) -> tuple[list[int], list[int]]:
@@ -505,7 +519,8 @@ class Receiver:
         try:
             cur.dest.abort()
         finally:
-            held, cur.bytes_held = cur.bytes_held, 0
+            with cur._cond:
+                held, cur.bytes_held = cur.bytes_held, 0
             self.release(held)  # credits returned
             if tell_sender:
                 self._send(TransferAbort(cur.tid, terr))

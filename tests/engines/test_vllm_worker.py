@@ -156,3 +156,35 @@ def test_engine_spec_names_config_weights_and_revision(tmp_path: Path) -> None:
     assert err.value.field == "block_size"
     with pytest.raises(EngineError):
         engine_spec("HuggingFaceTB/SmolLM2-135M-Instruct", dtype="float32", block_size=32)
+
+
+def test_a_load_that_cannot_start_by_its_deadline_is_reported_and_recomputed(tmp_path: Path) -> None:
+    import threading
+
+    from kvport.deadline import DeadlinePolicy
+
+    src = engine_kv(16, seed=1)
+    keys = chain_keys(list(range(2 * 4)), CTX)
+    m = mover(tmp_path, src)
+    m.save([BlockCopy("a", tuple(keys), (9, 2))])
+    dst = engine_kv(8, seed=None)
+    slow = BlockMover(SPEC, store(tmp_path), PagedKV(dst, SPEC), 8, DeadlinePolicy(min_s=0.2, factor=1.0, max_s=0.3))
+    held, done = threading.Event(), threading.Event()
+
+    def hog() -> None:
+        with slow.store.holding():  # the store is busy (a long save, say) past the load's deadline
+            held.set()
+            done.wait(10)
+
+    t = threading.Thread(target=hog)
+    t.start()
+    held.wait(5)
+    try:
+        slow.begin_load([BlockCopy("b", tuple(keys), (4, 5))])
+        slow.finish_load()
+    finally:
+        done.set()
+        t.join()
+    assert slow.take_failed() == {4, 5}  # vLLM recomputes them; nothing was linked
+    for i in range(SPEC.num_layers):
+        assert not layer(dst, i)[[4, 5]].any()

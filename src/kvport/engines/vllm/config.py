@@ -14,6 +14,9 @@ Keys (all optional except the store location)::
     kvport_tenant_salt     bytes as hex, chained into every key                        ("")
     kvport_profile         a `kvport calibrate` profile: the cost planner is asked for
                            every lookup and may answer recompute (the hit is declined) (none)
+    kvport_load_deadline   "MIN_S:FACTOR:MAX_S": a step's loads may take FACTOR x the
+                           time the worker's observed read speed predicts, within
+                           [MIN_S, MAX_S]; blocks not read by then are recomputed      ("1:4:30")
 
 Unknown ``kvport_*`` keys are an error (a typo must not silently fall back to a default);
 keys without the prefix belong to other connectors and are ignored.
@@ -22,10 +25,11 @@ keys without the prefix belong to other connectors and are ignored.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvport.deadline import DeadlinePolicy
 from kvport.errors import ConfigError, UnitError
 from kvport.spec import KVSpec
 from kvport.units import parse_size
@@ -33,7 +37,7 @@ from kvport.units import parse_size
 _PREFIX = "kvport_"
 _KNOWN = frozenset({
     "kvport_disk_dir", "kvport_disk_capacity", "kvport_staging_tokens", "kvport_model_revision",
-    "kvport_expect_spec", "kvport_tenant_salt", "kvport_profile",
+    "kvport_expect_spec", "kvport_tenant_salt", "kvport_profile", "kvport_load_deadline",
 })
 DEFAULT_DISK_CAPACITY = 8 * 1024**3
 DEFAULT_STAGING_TOKENS = 2048
@@ -48,6 +52,7 @@ class ConnectorConfig:
     expect_spec: KVSpec | None = None
     tenant_salt: bytes = b""
     profile_path: Path | None = None  # calibration profile: the planner gates every lookup; None = always load
+    load_deadline: DeadlinePolicy = field(default_factory=DeadlinePolicy)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -81,7 +86,14 @@ class ConnectorConfig:
         profile = cfg.get("kvport_profile")
         if profile is not None and (not isinstance(profile, str | Path) or not str(profile)):
             raise ConfigError(f"kvport_profile must be a path to a calibration profile, got {profile!r}")
+        deadline = cfg.get("kvport_load_deadline", "1:4:30")
+        try:
+            lo, factor, hi = (float(x) for x in str(deadline).split(":"))
+            load_deadline = DeadlinePolicy(lo, factor, hi)
+        except (ValueError, ConfigError) as exc:
+            raise ConfigError(f"kvport_load_deadline must be MIN_S:FACTOR:MAX_S, got {deadline!r}: {exc}") from None
         return cls(
+            load_deadline=load_deadline,
             profile_path=None if profile is None else Path(profile).expanduser(),
             disk_dir=Path(disk_dir).expanduser(),
             disk_capacity_bytes=capacity,

@@ -165,7 +165,7 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         paged = PagedKV(kv_caches, self.spec)
         staging = max(1, -(-self.cfg.staging_tokens // self.spec.block_size))
-        self.mover = BlockMover(self.spec, self.store, paged, staging)
+        self.mover = BlockMover(self.spec, self.store, paged, staging, self.cfg.load_deadline)
 
     def _plan(self) -> StepPlan | None:
         if self.mover is None or not self.has_connector_metadata():

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvport import metrics
-from kvport.errors import TierError
+from kvport.deadline import Deadline, DeadlinePolicy
+from kvport.errors import DeadlineExceeded, TierError
 from kvport.keys import BlockKey
 from kvport.spec import KVSpec
 from kvport.store import TieredStore
@@ -58,9 +59,15 @@ class WorkerStats:
 class BlockMover:
     """Moves whole blocks between the store and the paged KV; one instance per worker."""
 
-    def __init__(self, spec: KVSpec, store: TieredStore, paged: PagedKV, staging_blocks: int) -> None:
+    def __init__(self, spec: KVSpec, store: TieredStore, paged: PagedKV, staging_blocks: int,
+                 deadlines: DeadlinePolicy | None = None) -> None:
+        """``deadlines``: a step's loads may take ``factor`` x the time expected from this worker's
+        observed read speed (the policy's maximum before the first read), within bounds; blocks not
+        read by then are load errors and vLLM recomputes them."""
         self.spec = spec
         self.store = store
+        self.deadlines = deadlines or DeadlinePolicy()
+        self._read_bps: float | None = None  # observed read speed (EWMA): what a load is expected to take
         self.paged = paged
         self.staging = Staging(spec, staging_blocks)
         # save buffer: one slot per block of a batched put; touched now, like the staging
@@ -74,22 +81,35 @@ class BlockMover:
         self.stats = WorkerStats()
 
     # ------------------------------------------------------------------ load
-    def _read(self, keys: Sequence[BlockKey], slot0: int) -> int:
+    def _read(self, keys: Sequence[BlockKey], slot0: int, deadline: Deadline | None = None) -> int:
         """Read consecutive blocks into slots slot0.. (one batched tier call: a DiskTier reads adjacent
-        entries of a slab with one ``preadv``); returns how many leading blocks arrived intact."""
+        entries of a slab with one ``preadv``); returns how many leading blocks arrived intact (none
+        past ``deadline``)."""
         want = self.spec.bytes_per_block
         items = [(key, self.staging.slot_view(slot0 + j)) for j, key in enumerate(keys)]
+        t0 = time.perf_counter()
         try:
-            got = self.store.get_many_into(items)
+            got = self.store.get_many_into(items, deadline=deadline)
         except TierError as exc:
             log.warning("kvport: load of %d blocks failed (%s); vLLM recomputes them", len(keys), exc)
             return 0
+        except DeadlineExceeded as exc:
+            log.warning("kvport: load of %d blocks past its deadline (%s); vLLM recomputes them", len(keys), exc)
+            return 0
+        dt = time.perf_counter() - t0
+        if dt > 0 and all(n == want for n in got):
+            bps = len(keys) * want / dt
+            self._read_bps = bps if self._read_bps is None else 0.7 * self._read_bps + 0.3 * bps
         for j, n in enumerate(got):
             if n != want:
-                why = "missing or corrupt" if n is None else f"{n} bytes, spec says {want}"
+                why = "missing, corrupt or past the deadline" if n is None else f"{n} bytes, spec says {want}"
                 log.warning("kvport: block %s %s; vLLM recomputes from there", keys[j].hex(), why)
                 return j
         return len(keys)
+
+    def _deadline(self, nblocks: int) -> Deadline:
+        bps = self._read_bps
+        return self.deadlines.for_expected(None if bps is None else nblocks * self.spec.bytes_per_block / bps)
 
     def begin_load(self, loads: Sequence[BlockCopy]) -> None:
         self.finish_load()
@@ -106,6 +126,7 @@ class BlockMover:
         cap = self.staging.capacity
         ids: list[int] = []
         eager = total > cap
+        deadline = self._deadline(total)  # one for the step's loads: nothing waits past it
         for c in loads:
             pos = 0
             while pos < len(c.keys):
@@ -113,7 +134,7 @@ class BlockMover:
                     self._scatter_all(ids)
                     ids = []
                 take = min(len(c.keys) - pos, cap - len(ids))
-                got = self._read(c.keys[pos : pos + take], len(ids))
+                got = self._read(c.keys[pos : pos + take], len(ids), deadline)
                 ids.extend(c.block_ids[pos : pos + got])
                 pos += got
                 if got < take:

@@ -160,10 +160,11 @@ class TieredStore:
                     self._adopt_all(t)
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        """Longest cached prefix of ``keys``; broken tiers count as misses."""
+    def lookup(self, keys: Sequence[bytes], *, deadline: Deadline | None = None) -> LookupResult:
+        """Longest cached prefix of ``keys``; broken tiers count as misses. With a ``deadline``, the
+        store's lock and the shared tiers' answers are waited for at most until then."""
         ks = tuple(keys)
-        with self._lock:
+        with self._locked(deadline):
             self.expire()
             tiers: list[str] = []
             sizes: list[int] = []

@@ -57,9 +57,9 @@ class StoreBlocks:
         self.last_tiers: tuple[str, ...] = ()  # where the last lookup's hits sat (reports)
         self._scratch: np.ndarray | None = None  # one block, for tiers without zero-copy reads
 
-    def longest_prefix(self, keys: Sequence[BlockKey]) -> int:
+    def longest_prefix(self, keys: Sequence[BlockKey], *, deadline: Deadline | None = None) -> int:
         self.last_tiers = ()
-        res = self.store.lookup(keys)
+        res = self.store.lookup(keys, deadline=deadline)
         n = res.prefix_blocks
         for i, size in enumerate(res.sizes[:n]):
             if size != self.block_bytes:  # another layout under a colliding key: stop before it
@@ -131,9 +131,11 @@ class TierBlocks:
         self.tier = tier
         self.block_bytes = spec.bytes_per_block
 
-    def longest_prefix(self, keys: Sequence[BlockKey]) -> int:
+    def longest_prefix(self, keys: Sequence[BlockKey], *, deadline: Deadline | None = None) -> int:
         n = 0
-        for present in self.tier.contains_many(keys):
+        with within(deadline):
+            present_all = self.tier.contains_many(keys)
+        for present in present_all:
             if not present:
                 break
             n += 1

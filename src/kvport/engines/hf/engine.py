@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from kvport import metrics
-from kvport.deadline import DeadlinePolicy
+from kvport.deadline import Deadline, DeadlinePolicy
 from kvport.engines.hf.layout import BlockLayout, cache_layers
 from kvport.engines.hf.port import BlockStore, Lifetime
 from kvport.errors import EngineError, KVPortError
@@ -169,7 +169,7 @@ class HFEngine:
         if self.store is None or not keys:
             return Loaded(0, None)
         try:
-            hit = min(self.store.longest_prefix(keys), len(keys))
+            hit = min(self.store.longest_prefix(keys, deadline=Deadline.after(self.deadlines.max_s)), len(keys))
             if hit <= 0:
                 return Loaded(0, None)
             expected: float | None = None

@@ -26,8 +26,9 @@ __all__ = ["BlockStore", "Lifetime"]
 
 
 class BlockStore(Protocol):
-    def longest_prefix(self, keys: Sequence[BlockKey]) -> int:
-        """How many leading ``keys`` are held (a block is useless without its whole prefix)."""
+    def longest_prefix(self, keys: Sequence[BlockKey], *, deadline: Deadline | None = None) -> int:
+        """How many leading ``keys`` are held (a block is useless without its whole prefix); waits on
+        the store at most until ``deadline``."""
         ...
 
     def read_into(self, keys: Sequence[BlockKey], out: torch.Tensor, *, deadline: Deadline | None = None) -> None:

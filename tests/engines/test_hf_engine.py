@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvport.deadline import Deadline
 from kvport.engines.hf import HFEngine, Lifetime, StoreBlocks, TierBlocks
 from kvport.errors import TierUnavailableError
 from kvport.spec import DType, from_hf_config
@@ -93,11 +94,11 @@ class _Recorder:
         self.inner = inner
         self.writes: list[tuple[int, Lifetime]] = []
 
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
-        return self.inner.longest_prefix(keys)
+    def longest_prefix(self, keys: Sequence[bytes], *, deadline: Deadline | None = None) -> int:
+        return self.inner.longest_prefix(keys, deadline=deadline)
 
-    def read_into(self, keys: Sequence[bytes], out: torch.Tensor) -> None:
-        self.inner.read_into(keys, out)
+    def read_into(self, keys: Sequence[bytes], out: torch.Tensor, *, deadline: Deadline | None = None) -> None:
+        self.inner.read_into(keys, out, deadline=deadline)
 
     def write(self, keys: Sequence[bytes], blocks: torch.Tensor, lifetime: Lifetime,
               parent: bytes | None = None) -> None:

@@ -24,7 +24,7 @@ from kvport.errors import (
 )
 from kvport.ledger import BlockState, Ledger, Owner
 from kvport.protocol.frame import Flags, MsgType, split_chunks
-from kvport.protocol.sync import FrameIO, read_frame_async, write_frame_async
+from kvport.protocol.sync import FrameIO
 from kvport.tiers.host import HostTier
 from kvport.transfer import (
     Backpressure,
@@ -372,19 +372,16 @@ def test_meta_validation_and_compat_order() -> None:
         check_compatible(SPEC, TransferMeta(SPEC, "r", peers.keys(), codec_id="int8"))
 
 
-def test_async_and_sync_adapters_share_the_format() -> None:
+def test_async_and_sync_shells_share_the_format() -> None:
+    """The asyncio shell (the server's) and the blocking shell (clients, transfers) speak one format."""
+    from kvport.protocol.aio import AsyncFrames, SockStream
+    from kvport.protocol.frame import DEFAULT_LIMITS
+
     async def main() -> tuple[Any, Any]:
-        got: list[Any] = []
-
-        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            f = await read_frame_async(r)
-            got.append(f)
-            await write_frame_async(w, MsgType.GET, {"ok": True}, split_chunks(b"abcdef", 4), 4,
-                                    flags=Flags.RESPONSE, corr_id=f.header.corr_id)
-            w.close()
-
-        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
-        port = srv.sockets[0].getsockname()[1]
+        loop = asyncio.get_running_loop()
+        ls = socket.create_server(("127.0.0.1", 0))
+        ls.setblocking(False)
+        port = ls.getsockname()[1]
 
         def client() -> Any:
             t = tcp_mod.connect("127.0.0.1", port)
@@ -394,14 +391,23 @@ def test_async_and_sync_adapters_share_the_format() -> None:
             t.close()
             return ans
 
-        ans = await asyncio.to_thread(client)
-        srv.close()
-        return got[0], ans
+        fut = asyncio.ensure_future(asyncio.to_thread(client))
+        sock, _ = await loop.sock_accept(ls)
+        frames = AsyncFrames(SockStream(sock, "test"), DEFAULT_LIMITS)
+        await frames.wait_frame()
+        hdr = await frames.read_header()
+        meta = await frames.read_meta(hdr)
+        await frames.send(MsgType.GET, {"ok": True}, split_chunks(b"abcdef", 4), 4, flags=Flags.RESPONSE,
+                          corr_id=hdr.corr_id)
+        ans = await fut
+        sock.close()
+        ls.close()
+        return (hdr, meta), ans
 
-    req, ans = asyncio.run(main())
-    assert req.meta == {"key": b"k" * 16} and req.header.corr_id == 42
-    assert ans.payload == b"abcdef" and ans.header.corr_id == 42 and ans.meta == {"ok": True}
-    assert ans.header.flags is Flags.RESPONSE
+    (hdr, meta), ans = asyncio.run(main())
+    assert hdr.msg_type is MsgType.GET and meta == {"key": b"k" * 16} and hdr.corr_id == 42
+    assert ans.msg_type is MsgType.GET and ans.header.corr_id == 42 and ans.meta == {"ok": True}
+    assert ans.payload == b"abcdef" and ans.header.flags & Flags.RESPONSE
 
 
 def test_backpressure_switch_off_never_waits() -> None:

@@ -1,7 +1,7 @@
 """Frame I/O adapters: they only fill buffers; every check is done by :mod:`kvport.protocol.frame`.
 
-Sync (:class:`FrameIO` over a :class:`Transport`) and asyncio (:func:`read_frame_async`,
-:func:`write_frame_async` over ``StreamReader``/``StreamWriter``) share the same order of work::
+The blocking shell (:class:`FrameIO` over a :class:`Transport`); the asyncio shell is
+:mod:`kvport.protocol.aio` (``AsyncFrames``), and both follow the same order of work::
 
     read 40 header bytes -> decode_header (caps checked) -> read meta_len bytes -> decode_meta
     -> payload: read_payload_into(caller views, one per chunk) | read_payload (bytes, small frames)
@@ -33,7 +33,6 @@ has the chunks' checksums passes them (``send(..., digests=...)``) and nothing i
 
 from __future__ import annotations
 
-import asyncio
 import os
 import struct
 import threading
@@ -44,7 +43,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from kvport import memops
-from kvport.errors import PeerError, ProtocolError
+from kvport.errors import ProtocolError
 from kvport.protocol.frame import (
     CHECKSUM,
     CHECKSUM_BYTES,
@@ -57,7 +56,6 @@ from kvport.protocol.frame import (
     MsgType,
     decode_header,
     decode_meta,
-    encode_frame,
     encode_header,
     encode_meta,
     iter_chunks,
@@ -295,31 +293,3 @@ class FrameIO:
         if f.msg_type not in types:
             raise ProtocolError(f"expected {', '.join(t.name for t in types)}, got {f.msg_type.name}")
         return f
-
-
-# ---------------------------------------------------------------------- asyncio
-async def read_frame_async(reader: asyncio.StreamReader, limits: Limits = DEFAULT_LIMITS) -> Frame:
-    """One whole frame from an asyncio stream (payload read as bytes; lengths capped first)."""
-    try:
-        head = await reader.readexactly(HEADER_BYTES)
-        hdr = decode_header(head, limits)
-        meta = decode_meta(hdr, await reader.readexactly(hdr.meta_len) if hdr.meta_len else b"")
-        if not hdr.payload_len:
-            return Frame(hdr, meta, b"")
-        wire = await reader.readexactly(hdr.wire_payload_bytes)
-    except asyncio.IncompleteReadError as exc:
-        raise PeerError(f"connection closed mid-frame ({len(exc.partial)} bytes of a part)") from exc
-    except (ConnectionError, OSError) as exc:
-        raise PeerError(f"receive failed: {exc}") from exc
-    return Frame(hdr, meta, b"".join(bytes(c) for c in iter_chunks(hdr, wire)))
-
-
-async def write_frame_async(writer: asyncio.StreamWriter, msg_type: MsgType, meta: dict[str, Any] | None = None,
-                            chunks: Sequence[Buffer] = (), chunk_size: int | None = None,
-                            flags: Flags = Flags.NONE, corr_id: int = 0) -> None:
-    parts = encode_frame(msg_type, meta, chunks, chunk_size, flags, corr_id)
-    try:
-        writer.writelines(parts)
-        await writer.drain()
-    except (ConnectionError, OSError) as exc:
-        raise PeerError(f"send failed: {exc}") from exc

@@ -17,7 +17,7 @@ principal is answered exactly like a wrong key (same work, same message). A prin
 key is accepted with an empty mac only; a listener beyond loopback refuses to start with one
 (checked where listeners are built).
 
-Sans-I/O: the message classes and MACs below; :func:`client_handshake` / :func:`server_handshake`
+Sans-I/O: the message classes, the MACs and :class:`ServerSide` below; :func:`client_handshake` / :func:`server_handshake`
 drive them over the blocking shell (:class:`~kvport.protocol.sync.FrameIO`), and
 :func:`server_handshake_async` over the asyncio shell (:class:`~kvport.protocol.aio.AsyncFrames`).
 """
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from kvport.errors import AuthError, KVPortError, PeerError, ProtocolError
 from kvport.protocol.errors import error_meta
 from kvport.protocol.fields import bytes_field, str_field
-from kvport.protocol.frame import Flags, Limits, MsgType
+from kvport.protocol.frame import Flags, FrameHeader, Limits, MsgType
 
 if TYPE_CHECKING:
     from kvport.protocol.aio import AsyncFrames
@@ -170,24 +170,46 @@ def client_handshake(io: FrameIO, who: str, key: bytes | None, client: str) -> P
         io.limits = limits
 
 
-def server_handshake(io: FrameIO, server: str, keys: KeyLookup, info: dict[str, int] | None = None) -> Peer:
-    """Challenge the client; the authenticated principal, or AuthError (after telling the client)."""
-    limits, io.limits = io.limits, HANDSHAKE_LIMITS
-    try:
-        nonce_s = secrets.token_bytes(NONCE_BYTES)
-        io.send(MsgType.AUTH_CHALLENGE, Challenge(nonce_s, server, info or {}).to_meta())
-        hdr, meta = io.read_head()
+@dataclass(slots=True)
+class ServerSide:
+    """The server's half of the handshake, without I/O: what to send, and what an answer means.
+
+    ``challenge()`` is the first frame; ``answer(hdr, meta)`` checks the client's AUTH_RESPONSE and
+    gives the reply frame to send and the peer (or the AuthError to raise once the reply is sent)."""
+
+    server: str
+    keys: KeyLookup
+    info: dict[str, int] = field(default_factory=dict)
+    nonce: bytes = field(default_factory=lambda: secrets.token_bytes(NONCE_BYTES))
+
+    def challenge(self) -> dict[str, Any]:
+        return Challenge(self.nonce, self.server, self.info).to_meta()
+
+    def answer(self, hdr: FrameHeader, meta: dict[str, Any]) -> tuple[MsgType, dict[str, Any], Flags,
+                                                                        Peer | AuthError]:
         if hdr.msg_type is not MsgType.AUTH_RESPONSE or hdr.payload_len:
             raise ProtocolError(f"expected AUTH_RESPONSE, got {hdr.msg_type.name}")
         r = Response.from_meta(meta)
         try:
-            key = check_response(keys, nonce_s, r)
+            key = check_response(self.keys, self.nonce, r)
         except AuthError as exc:
-            io.send(MsgType.ERROR, error_meta(exc), flags=Flags.RESPONSE | Flags.ERROR, corr_id=hdr.corr_id)
-            raise
-        io.send(MsgType.AUTH_OK, Welcome(r.who, server_mac(key, nonce_s, r.nonce, r.who)).to_meta(),
-                flags=Flags.RESPONSE, corr_id=hdr.corr_id)
-        return Peer(r.who, r.client)
+            return MsgType.ERROR, error_meta(exc), Flags.RESPONSE | Flags.ERROR, exc
+        welcome = Welcome(r.who, server_mac(key, self.nonce, r.nonce, r.who))
+        return MsgType.AUTH_OK, welcome.to_meta(), Flags.RESPONSE, Peer(r.who, r.client)
+
+
+def server_handshake(io: FrameIO, server: str, keys: KeyLookup, info: dict[str, int] | None = None) -> Peer:
+    """Challenge the client; the authenticated principal, or AuthError (after telling the client)."""
+    limits, io.limits = io.limits, HANDSHAKE_LIMITS
+    side = ServerSide(server, keys, info or {})
+    try:
+        io.send(MsgType.AUTH_CHALLENGE, side.challenge())
+        hdr, meta = io.read_head()
+        mtype, reply, flags, outcome = side.answer(hdr, meta)
+        io.send(mtype, reply, flags=flags, corr_id=hdr.corr_id)
+        if isinstance(outcome, AuthError):
+            raise outcome
+        return outcome
     except (AuthError, PeerError):  # refused, or the connection itself failed (not an auth answer)
         raise
     except KVPortError as exc:
@@ -201,22 +223,16 @@ async def server_handshake_async(frames: AsyncFrames, server: str, keys: KeyLook
                                   info: dict[str, int] | None = None) -> Peer:
     """:func:`server_handshake` on the server's event loop (the caller bounds it with a deadline)."""
     limits, frames.limits = frames.limits, HANDSHAKE_LIMITS
+    side = ServerSide(server, keys, info or {})
     try:
-        nonce_s = secrets.token_bytes(NONCE_BYTES)
-        await frames.send(MsgType.AUTH_CHALLENGE, Challenge(nonce_s, server, info or {}).to_meta())
+        await frames.send(MsgType.AUTH_CHALLENGE, side.challenge())
         await frames.wait_frame()
         hdr = await frames.read_header()
         meta = await frames.read_meta(hdr)
-        if hdr.msg_type is not MsgType.AUTH_RESPONSE or hdr.payload_len:
-            raise ProtocolError(f"expected AUTH_RESPONSE, got {hdr.msg_type.name}")
-        r = Response.from_meta(meta)
-        try:
-            key = check_response(keys, nonce_s, r)
-        except AuthError as exc:
-            await frames.send_error(MsgType.ERROR, exc, hdr.corr_id)
-            raise
-        await frames.send(MsgType.AUTH_OK, Welcome(r.who, server_mac(key, nonce_s, r.nonce, r.who)).to_meta(),
-                          flags=Flags.RESPONSE, corr_id=hdr.corr_id)
-        return Peer(r.who, r.client)
+        mtype, reply, flags, outcome = side.answer(hdr, meta)
+        await frames.send(mtype, reply, flags=flags, corr_id=hdr.corr_id)
+        if isinstance(outcome, AuthError):
+            raise outcome
+        return outcome
     finally:
         frames.limits = limits

@@ -17,8 +17,8 @@ principal is answered exactly like a wrong key (same work, same message). A prin
 key is accepted with an empty mac only; a listener beyond loopback refuses to start with one
 (checked where listeners are built).
 
-Sans-I/O: the message classes, the MACs and :class:`ServerSide` below; :func:`client_handshake` / :func:`server_handshake`
-drive them over the blocking shell (:class:`~kvport.protocol.sync.FrameIO`), and
+Sans-I/O: the message classes, the MACs and :class:`ServerSide` below; :func:`client_handshake` /
+:func:`server_handshake` drive them over the blocking shell (:class:`~kvport.protocol.sync.FrameIO`), and
 :func:`server_handshake_async` over the asyncio shell (:class:`~kvport.protocol.aio.AsyncFrames`).
 """
 

@@ -36,6 +36,19 @@ def test_tensor_parallel_splits_kv_heads() -> None:
         from_preset("qwen2.5-7b", tp_size=3)
 
 
+def test_head_range_is_the_kv_heads_a_rank_holds() -> None:
+    assert from_preset("llama-3.1-70b").head_range == (0, 8)
+    assert [from_preset("llama-3.1-70b", tp_size=4, tp_rank=r).head_range for r in range(4)] == \
+        [(0, 2), (2, 4), (4, 6), (6, 8)]
+    # more ranks than heads: each head on tp_size // heads neighbouring ranks (vLLM's replicas)
+    assert [from_preset("llama-3.1-70b", tp_size=16, tp_rank=r).head_range for r in (0, 1, 2, 15)] == \
+        [(0, 1), (0, 1), (1, 2), (7, 8)]
+    assert from_preset("deepseek-v3", tp_size=8, tp_rank=5).head_range == (0, 1)  # latent: replicated
+    spec = from_preset("smollm2-135m")
+    assert spec.fingerprint == from_preset("smollm2-135m").fingerprint  # a property, not a field
+    assert "head_range" not in spec.as_dict()
+
+
 def test_mla_latent_cache_is_one_tensor_replicated_over_ranks() -> None:
     ds = from_preset("deepseek-v3")
     assert ds.latent and ds.kv_factor == 1

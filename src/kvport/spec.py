@@ -115,6 +115,20 @@ class KVSpec:
         return max(1, self.num_kv_heads // self.tp_size)
 
     @property
+    def head_range(self) -> tuple[int, int]:
+        """``[lo, hi)``: the model's KV heads this rank holds. Split over ``tp_size`` ranks: rank r holds
+        ``[r*n, (r+1)*n)`` with ``n = kv_heads_per_rank``; fewer heads than ranks: each head is replicated
+        on ``tp_size // num_kv_heads`` neighbouring ranks, rank r holds head ``r // replicas``; latent
+        (replicated on every rank): all heads."""
+        if self.latent:
+            return 0, self.num_kv_heads
+        if self.tp_size > self.num_kv_heads:
+            head = self.tp_rank // (self.tp_size // self.num_kv_heads)
+            return head, head + 1
+        lo = self.tp_rank * self.kv_heads_per_rank
+        return lo, lo + self.kv_heads_per_rank
+
+    @property
     def bytes_per_token_layer(self) -> int:
         return self.kv_factor * self.kv_heads_per_rank * self.head_dim * self.dtype.itemsize
 

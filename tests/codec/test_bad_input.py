@@ -10,7 +10,7 @@ from kvport.codec import decode_block, encode_block, get_codec, peek_header
 from kvport.codec.frame import max_frame_size
 from kvport.errors import CodecError, CodecParamsError, CorruptPayloadError, UnknownCodecError
 from kvport.spec import DType, KVSpec
-from tests.codec.conftest import kv
+from tests.codec.conftest import kv, with_meta
 
 ALL = ["raw", "lossless", "int8", "kivi4", "mixed"]
 
@@ -116,10 +116,12 @@ def test_corrupted_or_truncated_frames_are_typed_errors(codec_id: str, spec: KVS
 def test_frame_meta_naming_an_unknown_codec_or_bad_params(spec: KVSpec) -> None:
     frame = bytes(encode_block(get_codec("kivi4"), spec, _block(spec)))
     dst = np.zeros(spec.bytes_per_block, np.uint8)
-    with pytest.raises(UnknownCodecError):
+    with pytest.raises(CorruptPayloadError, match="META fails its check"):  # edited in place: its digest
         decode_block(frame.replace(b"kivi4", b"kivi5", 1), spec, dst)
+    with pytest.raises(UnknownCodecError):  # written that way (digests consistent): the id is refused
+        decode_block(with_meta(frame, {"id": "kivi5", "params": {"group": 64}}), spec, dst)
     with pytest.raises(CodecParamsError):
-        decode_block(frame.replace(b"group", b"grouq", 1), spec, dst)
+        decode_block(with_meta(frame, {"id": "kivi4", "params": {"grouq": 64}}), spec, dst)
     with pytest.raises(CodecParamsError):  # the caller expected another codec
         decode_block(frame, spec, dst, codec=get_codec("kivi4", group=128))
 

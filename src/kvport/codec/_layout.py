@@ -23,17 +23,19 @@ def _align(n: int) -> int:
 class Sections:
     """Lay out ``(dtype, shape)`` sections over ``buf`` (or only count bytes when ``buf`` is None)."""
 
-    __slots__ = ("buf", "offset")
+    __slots__ = ("buf", "offset", "sizes")
 
     def __init__(self, buf: np.ndarray | None = None) -> None:
         self.buf = buf
         self.offset = 0
+        self.sizes: list[int] = []  # each section's bytes with its pad: they tile the payload
 
     def take(self, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
         dt = np.dtype(dtype)
         n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         start = self.offset
         self.offset = _align(start + n)
+        self.sizes.append(self.offset - start)
         if self.buf is None:
             return np.empty(0, dtype=dt)
         view: np.ndarray = self.buf[start:start + n].view(dt).reshape(shape)

@@ -164,6 +164,12 @@ class Codec(abc.ABC):
             raise CorruptPayloadError(f"{self.codec_id}: payload is {payload.nbytes} bytes, expected {want} "
                                       f"for {shape.dims} {shape.dtype.value}")
 
+    def section_sizes(self, shape: KVShape, nbytes: int) -> tuple[int, ...]:
+        """Bytes of each section of a payload of ``nbytes`` for ``shape`` (codes, scales, zero points,
+        tables), in payload order, each with its alignment pad, so that they tile the payload. A stored
+        frame lists each as a part with its own check. Default: the payload is one section."""
+        return (nbytes,)
+
     # ------------------------------------------------------------------ public API
     def encoded_size(self, shape: KVShape) -> int:
         """Payload bytes for ``shape`` (an upper bound for ``lossless``)."""

@@ -1,48 +1,53 @@
 """Bytes form for the store and the wire: one canonical LKHTD range in, one self-describing frame out.
 
-Frame layout (little-endian)::
+A frame is a block envelope (:mod:`kvport.codec.envelope`, body 1) whose parts are the codec's::
 
-    0   4  magic b"KVCF"          20  4  reserved (0)
-    4   1  version (1)            24  8  payload_len
-    5   1  dtype code             32  8  xxh3_64(payload)
-    6   2  meta_len               40  meta_len bytes  msgpack {"id": codec id, "params": {...}}
-    8   2  layers                 ..  payload_len bytes  the codec's payload
-    10  2  heads
-    12  4  tokens
-    16  2  dim
-    18  2  reserved (0)
+    [ envelope header + manifest ]  identity (spec fingerprint, layout, dtype, shape, tp, head range), key
+    [ META     ]  msgpack {"id": codec id, "params": {...}}, zero-padded to 8 bytes
+    [ SECTION 0 ] [ SECTION 1 ] ...  the codec payload, one part per section (int8: K codes, V codes,
+                                     K scales, V scales, K zero points, V zero points; see each codec)
 
-The source is ``(layers, 2, heads, tokens, dim)`` in the spec's dtype (``spec.block_shape`` when
-``tokens == block_size``). :func:`decode_block` checks, before writing anything: magic, version,
-every length against the frame and against caps, the meta (msgpack, size-capped, no pickle), the
-shape against the spec and the destination size, the payload checksum, and the codec's own payload
-size; then it writes exactly the destination's bytes. Every failure is a
-:class:`~kvport.errors.CodecError`, which callers treat as a miss (recompute).
+each part with its own xxh3_64. The source is ``(layers, 2, heads, tokens, dim)`` in the spec's dtype
+(``spec.block_shape`` when ``tokens == block_size``). :func:`decode_block` checks, before writing
+anything: the envelope (caps, lengths, header digest, identity against the spec and the key), the
+META part's digest and then its msgpack (size-capped, no pickle), the codec it names, the sections
+against the ones that codec writes for that shape (none missing, none extra, same sizes), every
+part's digest, the shape against the destination; then it writes exactly the destination's bytes.
+Every failure is a :class:`~kvport.errors.CodecError`, which callers treat as a miss (recompute).
 """
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import numpy as np
-import xxhash
 
+from kvport import memops
 from kvport.codec.base import Codec, KVShape, check_against_spec, np_dtype
+from kvport.codec.envelope import (
+    ALL_LAYERS,
+    KEY_BYTES,
+    Body,
+    Envelope,
+    Identity,
+    PartKind,
+    as_bytes,
+    check_identity,
+    header_bytes,
+    parse,
+    tile,
+    verify_parts,
+    write_header,
+)
 from kvport.codec.registry import codec_from_dict, codec_to_dict
 from kvport.errors import CodecError, CodecParamsError, CorruptPayloadError
-from kvport.spec import DType, KVSpec
+from kvport.spec import KVSpec
 
-MAGIC = b"KVCF"
-VERSION = 1
-_FIXED = struct.Struct("<4sBBHHHIHHIQQ")
-HEADER_FIXED = _FIXED.size  # 40
 MAX_META = 4096
 MAX_TOKENS = 1 << 24
-_DTYPES = {DType.BF16: 1, DType.FP16: 2, DType.FP32: 3}
-_DTYPE_OF = {v: k for k, v in _DTYPES.items()}
+_NO_KEY = bytes(KEY_BYTES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +55,9 @@ class FrameInfo:
     codec_id: str
     params: dict[str, Any]
     shape: KVShape
-    header_len: int
-    payload_len: int
+    header_len: int  # bytes before the codec payload (envelope header and META)
+    payload_len: int  # the codec payload's bytes
+    envelope: Envelope | None = None
 
     @property
     def frame_len(self) -> int:
@@ -84,33 +90,45 @@ def _meta(codec: Codec) -> bytes:
     meta: bytes = msgpack.packb(codec_to_dict(codec), use_bin_type=True)
     if len(meta) > MAX_META:
         raise CodecParamsError(f"codec params of {len(meta)} bytes exceed {MAX_META}")
-    return meta
+    return meta + bytes(-len(meta) % 8)  # sections start 8-aligned
+
+
+def _parts_count(codec: Codec, shape: KVShape) -> int:
+    return 1 + len(codec.section_sizes(shape, codec.max_encoded_size(shape)))
 
 
 def max_frame_size(codec: Codec, spec: KVSpec, tokens: int | None = None, layers: int | None = None) -> int:
     """Bytes an ``out`` buffer needs for :func:`encode_block`."""
     shape = _shape(spec, tokens, layers)
-    return HEADER_FIXED + len(_meta(codec)) + codec.max_encoded_size(shape)
+    return header_bytes(_parts_count(codec, shape)) + len(_meta(codec)) + codec.max_encoded_size(shape)
 
 
-def encode_block(codec: Codec, spec: KVSpec, src: Any, *, tokens: int | None = None, layers: int | None = None,
-                 out: Any = None) -> memoryview:
-    """Frame of the LKHTD range ``src`` (``tokens`` defaults to the block size, ``layers`` to all);
-    written into ``out`` (any writable buffer of :func:`max_frame_size` bytes) when given. Returns a
-    memoryview of exactly the frame."""
+def encode_block(codec: Codec, spec: KVSpec, src: Any, *, key: bytes | None = None, tokens: int | None = None,
+                 layers: int | None = None, out: Any = None) -> memoryview:
+    """Frame of the LKHTD range ``src`` (``tokens`` defaults to the block size, ``layers`` to all),
+    bound to the block ``key`` (16 bytes; None: unbound, zeros); written into ``out`` (any writable
+    buffer of :func:`max_frame_size` bytes) when given. Returns a memoryview of exactly the frame."""
     shape = _shape(spec, tokens, layers)
     x = _src_array(src, shape, "src", writable=False)
     meta = _meta(codec)
-    hlen = HEADER_FIXED + len(meta)
-    cap = hlen + codec.max_encoded_size(shape)
+    hlen = header_bytes(_parts_count(codec, shape))
+    at = hlen + len(meta)
+    cap = at + codec.max_encoded_size(shape)
     buf = np.empty(cap, np.uint8) if out is None else _src_out(out, cap)
-    enc = codec.encode(x[:, 0], x[:, 1], spec, out=buf[hlen:])
+    enc = codec.encode(x[:, 0], x[:, 1], spec, out=buf[at:])
     n = enc.nbytes
-    digest = xxhash.xxh3_64_intdigest(enc.payload.data)
-    L, H, T, D = shape.dims
-    _FIXED.pack_into(buf.data, 0, MAGIC, VERSION, _DTYPES[shape.dtype], len(meta), L, H, T, D, 0, 0, n, digest)
-    buf[HEADER_FIXED:hlen] = np.frombuffer(meta, np.uint8)
-    return buf.data.cast("B")[: hlen + n]
+    sizes = codec.section_sizes(shape, n)
+    if sum(sizes) != n:
+        raise CodecParamsError(f"{codec.codec_id}: sections of {sum(sizes)} bytes do not tile its {n}-byte payload")
+    parts = tile([(PartKind.META, ALL_LAYERS, 0, len(meta))]
+                 + [(PartKind.SECTION, ALL_LAYERS, i, s) for i, s in enumerate(sizes)])
+    frame = buf.data.cast("B")[: at + n]
+    body = frame[hlen:]
+    buf[hlen:at] = np.frombuffer(meta, np.uint8)
+    digests = memops.xxh3_many([body[p.offset : p.offset + p.length] for p in parts])
+    write_header(frame, Identity.of(spec, tokens=shape.tokens, layers=shape.layers), _NO_KEY if key is None else key,
+                 Body.CODEC, parts, digests)
+    return frame
 
 
 def _src_out(out: Any, cap: int) -> np.ndarray:
@@ -123,52 +141,77 @@ def _src_out(out: Any, cap: int) -> np.ndarray:
     return arr
 
 
-def peek_header(data: Any) -> FrameInfo:
-    """Parse and check a frame's header (not its payload) without decoding."""
+def _unpack_meta(raw: memoryview) -> dict[str, Any]:
+    up = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=MAX_META + 8, max_str_len=MAX_META,
+                          max_bin_len=MAX_META, max_array_len=MAX_META, max_map_len=64)
     try:
-        buf = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
-    except (TypeError, ValueError) as exc:
-        raise CorruptPayloadError(f"frame is not a contiguous buffer: {exc}") from exc
-    if buf.nbytes < HEADER_FIXED:
-        raise CorruptPayloadError(f"frame of {buf.nbytes} bytes is shorter than its {HEADER_FIXED}-byte header")
-    magic, ver, dcode, mlen, L, H, T, D, _, _, plen, _ = _FIXED.unpack_from(buf.data, 0)
-    if magic != MAGIC:
-        raise CorruptPayloadError(f"bad magic {magic!r}")
-    if ver != VERSION:
-        raise CorruptPayloadError(f"unknown frame version {ver}")
-    if dcode not in _DTYPE_OF or mlen > MAX_META or T > MAX_TOKENS or 0 in (L, H, T, D):
-        raise CorruptPayloadError(f"bad header fields (dtype {dcode}, meta {mlen}, shape {(L, H, T, D)})")
-    hlen = HEADER_FIXED + mlen
-    if hlen + plen != buf.nbytes:
-        raise CorruptPayloadError(f"frame is {buf.nbytes} bytes, header says {hlen} + {plen}")
-    try:
-        meta = msgpack.unpackb(buf[HEADER_FIXED:hlen].tobytes(), raw=False, strict_map_key=True,
-                               max_str_len=MAX_META, max_bin_len=MAX_META, max_array_len=MAX_META,
-                               max_map_len=64)
-    except (ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError,
-            msgpack.exceptions.StackError) as exc:
+        up.feed(raw)
+        meta = up.unpack()
+        rest = raw[up.tell() :]
+    except (ValueError, msgpack.exceptions.OutOfData, msgpack.exceptions.FormatError,
+            msgpack.exceptions.StackError, msgpack.exceptions.BufferFull) as exc:
         raise CorruptPayloadError(f"frame meta is not valid msgpack: {exc}") from exc
+    if rest.nbytes >= 8 or any(rest.tobytes()):
+        raise CorruptPayloadError("frame meta is followed by bytes that are not its padding")
     if not isinstance(meta, dict) or not isinstance(meta.get("id"), str) or not isinstance(meta.get("params"), dict):
         raise CorruptPayloadError(f"frame meta must be {{'id': str, 'params': dict}}, got {meta!r}")
-    shape = KVShape(L, H, T, D, _DTYPE_OF[dcode])
-    return FrameInfo(meta["id"], meta["params"], shape, hlen, plen)
+    return meta
 
 
-def decode_block(data: Any, spec: KVSpec, dst: Any, *, codec: Codec | None = None) -> FrameInfo:
+def _open(data: Any) -> tuple[memoryview, FrameInfo, Codec]:
+    """Envelope, META (verified) and the codec it names; the sections' sizes checked, not their bytes."""
+    mv = as_bytes(data)
+    env = parse(mv)
+    if env.body is not Body.CODEC:
+        raise CorruptPayloadError("stored block is raw layout bytes, not a codec frame")
+    if not env.parts or env.parts[0].kind is not PartKind.META or env.parts[0].length > MAX_META + 8:
+        raise CorruptPayloadError("codec frame has no META part (its codec id and params) first")
+    body = mv[env.header_len :]
+    meta_part = env.parts[0]
+    verify_parts(body, env.parts[:1], env.digests[:1])
+    meta = _unpack_meta(body[: meta_part.length])
+    c = codec_from_dict({"id": meta["id"], "params": meta["params"]})
+    ident = env.identity
+    if ident.tokens > MAX_TOKENS:
+        raise CorruptPayloadError(f"frame of {ident.tokens} tokens exceeds the cap of {MAX_TOKENS}")
+    try:
+        shape = KVShape(ident.layers, ident.head_hi - ident.head_lo, ident.tokens, ident.head_dim, ident.dtype)
+    except CodecParamsError as exc:
+        raise CorruptPayloadError(f"frame shape: {exc}") from exc
+    plen = env.payload_len - meta_part.length
+    if plen > c.max_encoded_size(shape):
+        raise CorruptPayloadError(f"{c.codec_id}: payload of {plen} bytes exceeds its bound for {shape.dims}")
+    want = c.section_sizes(shape, plen)
+    got = env.parts[1:]
+    if len(got) != len(want) or any(p.kind is not PartKind.SECTION or p.sub != i or p.length != s
+                                    for i, (p, s) in enumerate(zip(got, want, strict=True))):
+        raise CorruptPayloadError(f"{c.codec_id} frame: sections {[(p.kind.name, p.sub, p.length) for p in got]} are "
+                                  f"not the codec's {list(want)} (a section missing, or of another codec)")
+    info = FrameInfo(c.codec_id, dict(c.params), shape, env.header_len + meta_part.length, plen, env)
+    return mv, info, c
+
+
+def peek_header(data: Any) -> FrameInfo:
+    """Parse and check a frame's envelope and META (not its sections' bytes) without decoding."""
+    return _open(data)[1]
+
+
+def decode_block(data: Any, spec: KVSpec, dst: Any, *, key: bytes | None = None,
+                 codec: Codec | None = None) -> FrameInfo:
     """Validate the frame ``data`` fully, then decode it into ``dst`` (a writable buffer of exactly the
-    LKHTD range's bytes). ``codec``, when given, must be the one that wrote the frame."""
-    info = peek_header(data)
+    LKHTD range's bytes). ``key``, when given, must be the key the frame was written under; ``codec``,
+    when given, must be the one that wrote it."""
+    mv, info, c = _open(data)
+    assert info.envelope is not None
+    env = info.envelope
+    check_identity(env, Identity.of(spec, tokens=env.identity.tokens, layers=env.identity.layers), key)
     check_against_spec(info.shape, spec)
     x = _src_array(dst, info.shape, "dst", writable=True)
-    c = codec_from_dict({"id": info.codec_id, "params": info.params})
     if codec is not None and (codec.codec_id, codec.params) != (c.codec_id, c.params):
         raise CodecParamsError(f"frame was written by {info.codec_id} {info.params}, "
                                f"expected {codec.codec_id} {codec.params}")
-    buf = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
-    payload = buf[info.header_len:]
-    digest = _FIXED.unpack_from(buf.data, 0)[-1]
-    if xxhash.xxh3_64_intdigest(payload.data) != digest:
-        raise CorruptPayloadError("frame payload fails its checksum")
+    verify_parts(mv[env.header_len :], env.parts[1:], env.digests[1:])
+    payload = np.frombuffer(mv, np.uint8, count=info.payload_len, offset=info.header_len)
     try:
         c.decode(payload, x[:, 0], x[:, 1], shape=info.shape)
     except CodecError:

@@ -32,12 +32,16 @@ def _sections(buf: np.ndarray | None, shape: KVShape) -> tuple[np.ndarray, ...]:
             s.take(np.float16, rows), s.take(np.uint8, rows), s.take(np.uint8, rows))
 
 
-def _size(shape: KVShape) -> int:
+def _plan(shape: KVShape) -> Sections:
     s = Sections()
     for dt, shp in ((np.uint8, shape.dims), (np.uint8, shape.dims), (np.float16, shape.dims[:3]),
                     (np.float16, shape.dims[:3]), (np.uint8, shape.dims[:3]), (np.uint8, shape.dims[:3])):
         s.take(dt, shp)
-    return s.size
+    return s
+
+
+def _size(shape: KVShape) -> int:
+    return _plan(shape).size
 
 
 def quant8_rows(x: np.ndarray, q: np.ndarray, scale16: np.ndarray, zp: np.ndarray) -> None:
@@ -67,6 +71,9 @@ class Int8Codec(Codec):
 
     def max_encoded_size(self, shape: KVShape) -> int:
         return _size(shape)
+
+    def section_sizes(self, shape: KVShape, nbytes: int) -> tuple[int, ...]:
+        return tuple(_plan(shape).sizes)  # K codes, V codes, K scales, V scales, K zero points, V zero points
 
     def _encode(self, k: np.ndarray, v: np.ndarray, shape: KVShape, out: np.ndarray,
                 importance: np.ndarray | None = None, first_layer: int = 0) -> int:

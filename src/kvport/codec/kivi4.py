@@ -85,6 +85,9 @@ class Kivi4Codec(Codec):
     def max_encoded_size(self, shape: KVShape) -> int:
         return self._sections(None, shape)[0].size
 
+    def section_sizes(self, shape: KVShape, nbytes: int) -> tuple[int, ...]:
+        return tuple(self._sections(None, shape)[0].sizes)  # K codes, scales, zeros; V codes, scales, zeros
+
     def _encode(self, k: np.ndarray, v: np.ndarray, shape: KVShape, out: np.ndarray,
                 importance: np.ndarray | None = None, first_layer: int = 0) -> int:
         s, (qk, sk, zk, qv, sv, zv) = self._sections(out, shape)

@@ -199,6 +199,9 @@ class MixedCodec(Codec):
     def max_encoded_size(self, shape: KVShape) -> int:
         return self._size(shape, self._counts(shape))
 
+    def section_sizes(self, shape: KVShape, nbytes: int) -> tuple[int, ...]:
+        return tuple(self._sections(None, shape, self._counts(shape))[0].sizes)  # in _sections' order
+
     # ------------------------------------------------------------------ encode
     def _encode(self, k: np.ndarray, v: np.ndarray, shape: KVShape, out: np.ndarray,
                 importance: np.ndarray | None = None, first_layer: int = 0) -> int:

@@ -58,14 +58,15 @@ _STEP_S = 0.1  # a receive waits in steps this long, watching for its request's 
 
 class DecodeWorker:
     def __init__(self, model_dir: Path, shared_port: int, threads: int, budget_bytes: int, max_blocks: int,
-                 owner: str = "decode", peer: str = "prefill", deadlines: DeadlinePolicy | None = None) -> None:
+                 owner: str = "decode", peer: str = "prefill", deadlines: DeadlinePolicy | None = None,
+                 redis_url: str | None = None) -> None:
         from kvport.refmodel import load
 
         torch.set_num_threads(threads)
         quiet_transformers()
         model, _ = load(model_dir, prepare_if_missing=False)
         self.spec = from_hf_config(model_dir, dtype=DType.FP32)
-        self.store = open_store(StoreConfig(block_bytes=self.spec.bytes_per_block,
+        self.store = open_store(StoreConfig(block_bytes=self.spec.bytes_per_block, redis_url=redis_url,
                                             server=ClientConfig(port=shared_port)))
         self.owner, self.peer = Owner.engine(owner), Owner.engine(peer)
         self.kv_ledger = Ledger(owners=[self.owner], peers=[self.peer])  # the KV this engine holds
@@ -177,7 +178,8 @@ class DecodeWorker:
             if pf.first_token != first:
                 fallback += f" (recomputed first token {pf.first_token} != {first})"
         recv_s = time.perf_counter() - t0
-        tokens = self.eng.decode(cache, first, max_new)
+        logprobs: list[float] = []  # of the tokens after the first (the prefill worker reports its own)
+        tokens = self.eng.decode(cache, first, max_new, logprobs)
         decode_s = time.perf_counter() - t0 - recv_s
         seq = np.concatenate([prompt, np.asarray(tokens[:-1], dtype=np.int64)])
         stored, store_error = 0, None
@@ -190,8 +192,8 @@ class DecodeWorker:
         for k in acquired:  # answered: the engine frees its copy (the session lives in the pool)
             if self.kv_ledger.knows(k):
                 self.kv_ledger.forget(k)
-        return {"ok": True, "rid": rid, "tokens": tokens, "recv_wait_s": recv_s, "decode_s": decode_s,
-                "since_expect_s": time.perf_counter() - t_expect,
+        return {"ok": True, "rid": rid, "tokens": tokens, "logprobs": logprobs, "recv_wait_s": recv_s,
+                "decode_s": decode_s, "since_expect_s": time.perf_counter() - t_expect,
                 "received_bytes": received, "stored_blocks": stored, "fallback": fallback,
                 "store_error": store_error, "acquired_blocks": owned, "owned_after": len(self.kv_ledger)}
 
@@ -208,7 +210,8 @@ def main(conn: Connection, cfg: dict[str, Any]) -> None:
     try:
         w = DecodeWorker(Path(cfg["model_dir"]), int(cfg["shared_port"]), int(cfg["threads"]),
                          int(cfg["budget_bytes"]), int(cfg["max_blocks"]), str(cfg.get("owner", "decode")),
-                         str(cfg.get("peer", "prefill")), DeadlinePolicy(*cfg.get("load_deadline", (1.0, 4.0, 30.0))))
+                         str(cfg.get("peer", "prefill")), DeadlinePolicy(*cfg.get("load_deadline", (1.0, 4.0, 30.0))),
+                         cfg.get("redis_url"))
     except Exception as exc:  # the router reports it; nothing else can
         messages.send(conn, {"op": "ready", "ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return

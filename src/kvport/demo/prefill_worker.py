@@ -60,7 +60,8 @@ SHARED = "shared"
 
 class PrefillWorker:
     def __init__(self, model_dir: Path, shared_port: int, threads: int, host_bytes: int,
-                 owner: str = "prefill", deadlines: DeadlinePolicy | None = None) -> None:
+                 owner: str = "prefill", deadlines: DeadlinePolicy | None = None,
+                 redis_url: str | None = None) -> None:
         from kvport.refmodel import load
 
         torch.set_num_threads(threads)
@@ -69,7 +70,7 @@ class PrefillWorker:
         self.spec = from_hf_config(model_dir, dtype=DType.FP32)
         bb = self.spec.bytes_per_block
         self.store = open_store(StoreConfig(block_bytes=bb, host_bytes=max(host_bytes, 4 * bb),
-                                            server=ClientConfig(port=shared_port)))
+                                            redis_url=redis_url, server=ClientConfig(port=shared_port)))
         shared = self.store.tiers[SHARED]
         assert isinstance(shared, RemoteTier)
         self.shared = shared
@@ -199,6 +200,7 @@ class PrefillWorker:
                 out = self.eng.model(input_ids=torch.from_numpy(prompt[use * bs :]).unsqueeze(0),
                                      past_key_values=cache, use_cache=True, logits_to_keep=1)
             first = int(out.logits[0, -1].argmax())
+            first_logprob = float(torch.log_softmax(out.logits[0, -1].float(), dim=-1)[first])
         except BaseException:
             self._layers.put(None)  # stop the streamer; the transfer is aborted below
             raise
@@ -228,7 +230,8 @@ class PrefillWorker:
             if self.kv_ledger.knows(k):
                 self.kv_ledger.forget(k)
         return {
-            "ok": True, "rid": rid, "first_token": first, "ttft_s": ttft, "handoff_s": done_s,
+            "ok": True, "rid": rid, "first_token": first, "first_logprob": first_logprob, "ttft_s": ttft,
+            "handoff_s": done_s,
             "prompt_tokens": n_tok, "hit_tokens": hit * bs, "loaded_tokens": use * bs, "hit_tiers": tiers,
             "load_s": load_s, "compute_s": compute_s, "action": decision.action.value,
             "choice": decision.choice.label, "reason": decision.reason,
@@ -253,7 +256,7 @@ def main(conn: Connection, cfg: dict[str, Any]) -> None:
     try:
         w = PrefillWorker(Path(cfg["model_dir"]), int(cfg["shared_port"]), int(cfg["threads"]),
                           int(cfg["host_bytes"]), str(cfg.get("owner", "prefill")),
-                          DeadlinePolicy(*cfg.get("load_deadline", (1.0, 4.0, 30.0))))
+                          DeadlinePolicy(*cfg.get("load_deadline", (1.0, 4.0, 30.0))), cfg.get("redis_url"))
     except Exception as exc:  # the router reports it; nothing else can
         messages.send(conn, {"op": "ready", "ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return

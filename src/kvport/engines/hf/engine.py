@@ -156,9 +156,13 @@ class HFEngine:
     def keys(self, tokens: Sequence[int] | np.ndarray) -> list[BlockKey]:
         return chain_keys(tokens, self.key_ctx)
 
-    def _forward(self, ids: torch.Tensor, cache: Any) -> int:
+    def _forward(self, ids: torch.Tensor, cache: Any, logprobs: list[float] | None = None) -> int:
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return int(out.logits[0, -1].argmax())
+        logits = out.logits[0, -1]
+        token = int(logits.argmax())
+        if logprobs is not None:  # the chosen token's log-softmax (fp32): what `kvport bench faults` compares
+            logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
+        return token
 
     def load(self, keys: Sequence[BlockKey], prompt_tokens: int | None = None) -> Loaded:
         """The longest stored prefix of ``keys``, gathered into a fresh ``DynamicCache``.
@@ -225,13 +229,16 @@ class HFEngine:
         _TOKENS.labels("computed").inc(len(ids) - start)
         return Prefill(cache, first, ids, hit, hit * self.spec.bytes_per_block, fallback, time.perf_counter() - t0)
 
-    def decode(self, cache: Any, first_token: int, max_new_tokens: int) -> list[int]:
-        """Greedy tokens after ``first_token`` (included), one forward each, until EOS or the limit."""
+    def decode(self, cache: Any, first_token: int, max_new_tokens: int,
+               logprobs: list[float] | None = None) -> list[int]:
+        """Greedy tokens after ``first_token`` (included), one forward each, until EOS or the limit.
+        ``logprobs``: when given, the log-softmax of each token generated here (after ``first_token``)
+        is appended to it."""
         out = [first_token]
         with torch.inference_mode():
             while len(out) < max_new_tokens and out[-1] not in self.eos:
                 self._one[0, 0] = out[-1]
-                out.append(self._forward(self._one, cache))
+                out.append(self._forward(self._one, cache, logprobs))
         return out
 
     def save(self, tokens: np.ndarray, cache: Any, *, skip_blocks: int, lifetime: Lifetime,

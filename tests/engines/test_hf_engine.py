@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from kvport.codec import get_codec
+from kvport.codec.envelope import BlockFormat, parse, stored_bytes
 from kvport.deadline import Deadline
 from kvport.engines.hf import HFEngine, Lifetime, StoreBlocks, TierBlocks
-from kvport.errors import TierUnavailableError
-from kvport.spec import DType, from_hf_config
+from kvport.errors import CodecError, TierUnavailableError
+from kvport.spec import DType, KVSpec, from_hf_config
 from kvport.store import TieredStore
-from kvport.tiers import HostTier, Tier
+from kvport.tiers import CodecTier, HostTier, Tier
+from tests.codec.conftest import reseal, with_meta
 
 pytestmark = pytest.mark.slow
 NEW = 6
@@ -33,8 +37,8 @@ def model(model_dir: Path) -> Iterator[object]:
 
 @pytest.fixture()
 def tier(model_dir: Path) -> Iterator[HostTier]:
-    spec = from_hf_config(model_dir, dtype=DType.FP32)
-    t = HostTier(64 * spec.bytes_per_block, spec.bytes_per_block)
+    vb = stored_bytes(from_hf_config(model_dir, dtype=DType.FP32))  # a page holds one sealed block
+    t = HostTier(64 * vb, vb)
     yield t
     t.close()
 
@@ -134,7 +138,7 @@ def test_incompatible_stored_prefix_is_never_loaded(model: object, model_dir: Pa
         tier.put(key, b"\0" * (eng.spec.bytes_per_block // 2))
     eng.store = raw
     r2 = eng.generate(prompt, NEW)
-    assert r2.cached_tokens == 0 and r2.fallback is not None and "BufferMismatchError" in r2.fallback
+    assert r2.cached_tokens == 0 and r2.fallback is not None and "CorruptBlockError" in r2.fallback
     assert r2.tokens == r.tokens == _engine(model, model_dir, None).generate(prompt, NEW).tokens
 
 
@@ -143,7 +147,7 @@ class _FailingTier(Tier):
 
     def __init__(self, inner: HostTier, reads_left: int | None) -> None:
         self.inner, self.reads_left = inner, reads_left
-        self.name, self.caps = "failing", inner.caps
+        self.name, self.caps = "failing", replace(inner.caps, zero_copy_write=False)  # no reserve_views here
 
     @property
     def capacity_bytes(self) -> int:
@@ -191,7 +195,7 @@ def test_tier_failing_mid_load_recomputes_with_same_output(model: object, model_
     assert r.cached_tokens == 0 and r.computed_tokens == 90 and r.fallback is not None
     assert r.tokens == good.tokens
     # the same fault straight from a bare tier (no store in between) names the tier's own error
-    bare = HostTier(16 * eng.spec.bytes_per_block, eng.spec.bytes_per_block)
+    bare = HostTier(16 * stored_bytes(eng.spec), stored_bytes(eng.spec))
     eng.store = TierBlocks(bare, eng.spec)
     assert eng.generate(prompt, NEW).stored_blocks == 5
     eng.store = TierBlocks(_FailingTier(bare, reads_left=1), eng.spec)
@@ -228,3 +232,77 @@ def test_engine_asks_the_planner_before_loading(model: object, model_dir: Path, 
         assert res.cached_tokens > 0 and res.fallback is None
     else:  # a 1 kB/s link: recompute is far cheaper, nothing is loaded and the reason is recorded
         assert res.cached_tokens == 0 and res.fallback is not None and res.fallback.startswith("planner:")
+
+
+def _other_rank(spec: object, value: bytes, key: bytes) -> bytes:
+    """The same block bytes, sealed by rank 1 of a TP-2 engine whose per-rank shape is this one's."""
+    assert isinstance(spec, KVSpec)
+    other = BlockFormat(spec.with_(num_kv_heads=2 * spec.num_kv_heads, tp_size=2, tp_rank=1))
+    out = bytearray(value)
+    other.seal(out, key)
+    return bytes(out)
+
+
+def _swapped_part(spec: object, value: bytes, donor: bytes) -> bytes:
+    """``value`` with the K part of layer 7 from ``donor`` (same place, same length, a valid K part)."""
+    assert isinstance(spec, KVSpec)
+    fmt = BlockFormat(spec)
+    p = fmt.parts[14]
+    a, b = fmt.header_len + p.offset, fmt.header_len + p.offset + p.length
+    return value[:a] + donor[a:b] + value[b:]
+
+
+def _without_last_v(spec: object, value: bytes, key: bytes) -> bytes:
+    """The block with its last layer's V part gone, the envelope written to match (not bit rot)."""
+    assert isinstance(spec, KVSpec)
+    env = parse(value)
+    body = value[env.header_len : env.header_len + env.parts[-1].offset]
+    return reseal(value, body, [(p.kind, p.layer, p.sub, p.length) for p in env.parts[:-1]])
+
+
+@pytest.mark.parametrize("damage", ["other_rank", "v_part_missing", "part_swapped", "no_envelope"])
+def test_a_refused_block_is_recomputed_with_the_same_output(model: object, model_dir: Path, tier: HostTier,
+                                                            damage: str) -> None:
+    prompt = _prompt(100, 11)
+    reference = _engine(model, model_dir, None).generate(prompt, NEW).tokens
+    eng = _engine(model, model_dir, tier)
+    assert eng.generate(prompt, NEW).tokens == reference  # stores the prompt's blocks
+    keys = eng.keys(prompt[:96])
+    value, donor = tier.get(keys[2]), tier.get(keys[3])
+    bad = {"other_rank": lambda: _other_rank(eng.spec, value, keys[2]),
+           "v_part_missing": lambda: _without_last_v(eng.spec, value, keys[2]),
+           "part_swapped": lambda: _swapped_part(eng.spec, value, donor),
+           "no_envelope": lambda: value[BlockFormat(eng.spec).header_len :]}[damage]()
+    tier.put(keys[2], bad)  # under the store, into the page the store's index points at
+    r = eng.generate(prompt, NEW)
+    assert r.tokens == reference  # same greedy output as without kvport
+    assert r.cached_tokens == 0 and r.fallback is not None and "block" in r.fallback  # nothing linked
+    assert isinstance(eng.store, StoreBlocks) and isinstance(eng.store.last_refusal, CodecError)
+    again = eng.generate(prompt, NEW)  # the recomputed blocks were stored again: a clean hit
+    assert again.cached_tokens == 96 and again.fallback is None and again.tokens == reference
+
+
+@pytest.mark.parametrize("damage", ["scales_missing", "no_params", "params_of_another_codec"])
+def test_a_refused_codec_frame_is_recomputed_with_the_same_output(model: object, model_dir: Path,
+                                                                  damage: str) -> None:
+    spec = from_hf_config(model_dir, dtype=DType.FP32)
+    inner = HostTier(64 << 20, 1 << 20)  # pages of 1 MiB: any frame of a block fits
+    codec_tier = CodecTier(inner, get_codec("lossless"), spec)
+    eng = HFEngine(model, spec, StoreBlocks(TieredStore([codec_tier]), spec))
+    prompt = _prompt(100, 12)
+    reference = _engine(model, model_dir, None).generate(prompt, NEW).tokens
+    eng.generate(prompt, NEW)
+    good = eng.generate(prompt, NEW)  # decoded from lossless frames: exact
+    assert good.cached_tokens == 96 and good.tokens == reference
+    key = eng.keys(prompt[:96])[1]
+    frame = inner.get(key)
+    env = parse(frame)
+    kinds = [(p.kind, p.layer, p.sub, p.length) for p in env.parts]
+    body = frame[env.header_len :]
+    bad = {"scales_missing": lambda: reseal(frame, body[: env.parts[-1].offset], kinds[:-1]),
+           "no_params": lambda: reseal(frame, body[env.parts[0].length :], kinds[1:]),
+           "params_of_another_codec": lambda: with_meta(frame, {"id": "int8", "params": {}})}[damage]()
+    inner.put(key, bad)
+    r = eng.generate(prompt, NEW)
+    assert r.tokens == reference and r.cached_tokens == 0 and r.fallback is not None
+    assert not inner.contains(key) or inner.get(key) != bad  # the bad frame was dropped

@@ -73,6 +73,7 @@ def _hf(tokens: int, cached: int, trials: int, prefetch: bool) -> tuple[dict[str
     import torch
 
     from kvport.client.port import StoreConfig, open_store
+    from kvport.codec.envelope import stored_bytes
     from kvport.engines.hf import HFEngine, Lifetime, StoreBlocks
     from kvport.engines.hf.prefetch import weight_prefetch
     from kvport.refmodel import load
@@ -85,7 +86,7 @@ def _hf(tokens: int, cached: int, trials: int, prefetch: bool) -> tuple[dict[str
     if not 0 < cached < tokens or cached % bs:
         raise KVPortError(f"cached must be a positive multiple of {bs} below tokens, got {cached} of {tokens}")
     n_blocks = cached // bs
-    bb = spec.bytes_per_block
+    bb = stored_bytes(spec)  # a host page holds one sealed block (envelope + KV)
     store = open_store(StoreConfig(block_bytes=bb, host_bytes=(tokens // bs + 2) * bb))  # the engines' one port
     empty = open_store(StoreConfig(block_bytes=bb, host_bytes=4 * bb))
     hit_blocks, zero_blocks = StoreBlocks(store, spec), StoreBlocks(empty, spec)

@@ -109,24 +109,24 @@ def header_bytes(n_parts: int) -> int:
 class Identity:
     """What makes a stored block interchangeable with the reader's KV: the layout fingerprint."""
 
-    fingerprint: bytes
     layout: Layout
+    tp_size: int
+    tp_rank: int
+    head_lo: int
+    head_hi: int
     dtype: DType
     latent: bool
     layers: int
     tokens: int
     head_dim: int
-    tp_size: int
-    tp_rank: int
-    head_lo: int
-    head_hi: int
+    fingerprint: bytes  # last: the fields above name the difference when there is one
 
     @classmethod
     def of(cls, spec: KVSpec, *, tokens: int | None = None, layers: int | None = None) -> Identity:
         lo, hi = spec.head_range
-        return cls(spec.fingerprint, spec.layout, spec.dtype, spec.latent,
+        return cls(spec.layout, spec.tp_size, spec.tp_rank, lo, hi, spec.dtype, spec.latent,
                    spec.num_layers if layers is None else layers, spec.block_size if tokens is None else tokens,
-                   spec.head_dim, spec.tp_size, spec.tp_rank, lo, hi)
+                   spec.head_dim, spec.fingerprint)
 
     def first_mismatch(self, other: Identity) -> tuple[str, Any, Any] | None:
         """The first field (in declaration order) where ``other`` differs, or None."""
@@ -255,8 +255,8 @@ def parse(value: Any) -> Envelope:
     bad_layer = (man["layer"] >= layers) & (man["layer"] != ALL_LAYERS)
     if bool(np.any(bad_layer)) or bool(np.any((man["head_lo"] != lo) | (man["head_hi"] != hi))):
         raise CorruptPayloadError("envelope part outside the block's layers or head range")
-    ident = Identity(bytes(fp), _LAYOUT_OF[lay], _DTYPE_OF[dt], bool(flags & _LATENT), layers, tokens, dim,
-                     tp_size, tp_rank, lo, hi)
+    ident = Identity(_LAYOUT_OF[lay], tp_size, tp_rank, lo, hi, _DTYPE_OF[dt], bool(flags & _LATENT), layers,
+                     tokens, dim, bytes(fp))
     parts = tuple(Part(PartKind(int(e["kind"])), int(e["layer"]), int(e["offset"]), int(e["length"]), int(e["sub"]))
                   for e in man)
     return Envelope(ident, bytes(key), Body(body), parts, man["digest"].copy(), h, plen)

@@ -41,6 +41,7 @@ import torch
 
 from kvport.client.conn import ClientConfig
 from kvport.client.port import StoreConfig, open_store
+from kvport.codec.envelope import stored_bytes
 from kvport.deadline import DeadlinePolicy
 from kvport.demo import messages
 from kvport.demo.quiet import quiet_transformers
@@ -66,7 +67,7 @@ class DecodeWorker:
         quiet_transformers()
         model, _ = load(model_dir, prepare_if_missing=False)
         self.spec = from_hf_config(model_dir, dtype=DType.FP32)
-        self.store = open_store(StoreConfig(block_bytes=self.spec.bytes_per_block, redis_url=redis_url,
+        self.store = open_store(StoreConfig(block_bytes=stored_bytes(self.spec), redis_url=redis_url,
                                             server=ClientConfig(port=shared_port)))
         self.owner, self.peer = Owner.engine(owner), Owner.engine(peer)
         self.kv_ledger = Ledger(owners=[self.owner], peers=[self.peer])  # the KV this engine holds

@@ -40,6 +40,7 @@ from kvport import metrics
 from kvport.client.conn import ClientConfig
 from kvport.client.port import StoreConfig, open_store
 from kvport.client.remote import RemoteTier
+from kvport.codec.envelope import stored_bytes
 from kvport.deadline import DeadlinePolicy
 from kvport.demo import messages
 from kvport.demo.calibrate import quick_profile
@@ -68,7 +69,7 @@ class PrefillWorker:
         quiet_transformers()
         model, _ = load(model_dir, prepare_if_missing=False)
         self.spec = from_hf_config(model_dir, dtype=DType.FP32)
-        bb = self.spec.bytes_per_block
+        bb = stored_bytes(self.spec)  # one sealed block (envelope + KV) per host page
         self.store = open_store(StoreConfig(block_bytes=bb, host_bytes=max(host_bytes, 4 * bb),
                                             redis_url=redis_url, server=ClientConfig(port=shared_port)))
         shared = self.store.tiers[SHARED]

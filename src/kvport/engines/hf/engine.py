@@ -19,7 +19,10 @@ Invariants:
 - A failed, corrupt or incompatible load never reaches the model: any kvport error during lookup or
   read drops the whole loaded prefix and the request recomputes from token 0 (``fallback`` says why).
   Blocks of another model/revision/dtype/layout cannot even be looked up: every key chains from the
-  spec fingerprint (:mod:`kvport.keys`).
+  spec fingerprint (:mod:`kvport.keys`); and every stored block carries its envelope (identity, key,
+  a manifest of its K and V parts, each part's xxh3: :mod:`kvport.codec.envelope`), checked before a
+  byte of it is copied, so bytes of another rank, head range or block, a part missing or damaged, or
+  an old block without envelope are refused too.
 - A failed store write is recorded (``store_error``) and never fails the request.
 """
 
@@ -256,14 +259,22 @@ class HFEngine:
         n_new = len(keys) - skip_blocks
         if n_new <= 0:
             return 0
-        blocks = self.layout.scatter_from_cache(layers, skip_blocks, n_new)
         n_prefix = max(0, min(len(keys), shared_prefix_tokens // self.spec.block_size) - skip_blocks)
         parent = keys[skip_blocks - 1] if skip_blocks else None
-        if n_prefix:
-            self.store.write(keys[skip_blocks : skip_blocks + n_prefix], blocks[:n_prefix], Lifetime.PREFIX, parent)
-            parent = keys[skip_blocks + n_prefix - 1]
-        if n_new > n_prefix:
-            self.store.write(keys[skip_blocks + n_prefix :], blocks[n_prefix:], lifetime, parent)
+        spans = ((skip_blocks, skip_blocks + n_prefix, Lifetime.PREFIX), (skip_blocks + n_prefix, len(keys), lifetime))
+        write_each = getattr(self.store, "write_each", None)
+        if write_each is not None:  # straight from the cache into the stored values (no staging)
+            fill = self.layout.block_filler(layers, len(keys))
+            for a, b, lt in spans:
+                if b > a:
+                    write_each(keys[a:b], lambda i, dst, a=a: fill(a + i, dst), lt, parent)
+                    parent = keys[b - 1]
+            return n_new
+        blocks = self.layout.scatter_from_cache(layers, skip_blocks, n_new)
+        for a, b, lt in spans:
+            if b > a:
+                self.store.write(keys[a:b], blocks[a - skip_blocks : b - skip_blocks], lt, parent)
+                parent = keys[b - 1]
         return n_new
 
     # ------------------------------------------------------------------ one request

@@ -24,7 +24,7 @@ grows the buffers or writes them again; callers copy out what they keep.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -167,6 +167,40 @@ class BlockLayout:
         return out
 
 
+    def block_filler(self, layers: list[tuple[torch.Tensor, torch.Tensor]],
+                     n_blocks: int) -> Callable[[int, memoryview], None]:
+        """``fill(b, dst)``: block ``b`` (< ``n_blocks``) of the cache ``layers`` into ``dst``, one block's
+        LKHTD bytes (a stored value's payload, e.g. a reserved host page: the write path without
+        staging). One strided copy per block when the layers lie in one buffer at uniform strides
+        (a :class:`BlockLayout`'s landing buffer: the engine's cache), else one per layer and K/V."""
+        s = self.spec
+        if len(layers) != s.num_layers:
+            raise BufferMismatchError(f"cache has {len(layers)} layers, spec says {s.num_layers}")
+        tokens = n_blocks * s.block_size
+        for i, (k, v) in enumerate(layers):
+            for t in (k, v):
+                if t.dim() != 4 or t.shape[0] != 1 or t.shape[1] != s.kv_heads_per_rank or t.shape[3] != s.head_dim \
+                        or t.shape[2] < tokens or t.dtype != self.dtype:
+                    raise BufferMismatchError(f"layer {i}: cache tensor {tuple(t.shape)} {t.dtype} cannot give "
+                                              f"{tokens} tokens of this spec")
+        stacked = _stacked(layers)
+        bs = s.block_size
+
+        def fill(b: int, dst: memoryview) -> None:
+            if not 0 <= b < n_blocks:
+                raise BufferMismatchError(f"block {b} is not among the cache's {n_blocks} full blocks")
+            out = torch.frombuffer(dst, dtype=self.dtype).view(s.block_shape)
+            t0 = b * bs
+            with one_thread():
+                if stacked is not None:
+                    out.copy_(stacked[:, :, :, t0 : t0 + bs])
+                    return
+                for i, (k, v) in enumerate(layers):
+                    out[i, 0].copy_(k[0, :, t0 : t0 + bs])
+                    out[i, 1].copy_(v[0, :, t0 : t0 + bs])
+
+        return fill
+
     def scatter_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, first_block: int, tokens: int) -> int:
         """Copy tokens ``[first_block*B, tokens)`` of one layer into ``staging[first_block:n, layer]``.
 
@@ -192,6 +226,28 @@ class BlockLayout:
                     tail[:, :rest].copy_(src[0, :, full * bs : tokens])
                     tail[:, rest:].zero_()
         return n
+
+
+def _stacked(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+    """``[L, 2, H, T, D]``: every layer's K and V as one strided view, when they lie in one buffer at
+    uniform strides (each element is exactly the layers' own), else None."""
+    k0, v0 = layers[0]
+    es, st = k0.element_size(), k0.stride()
+    base, storage = k0.data_ptr(), k0.untyped_storage().data_ptr()
+    d_kv = v0.data_ptr() - base
+    d_l = layers[1][0].data_ptr() - base if len(layers) > 1 else 0
+    if d_kv <= 0 or d_l < 0 or d_kv % es or d_l % es:
+        return None
+    for i, (k, v) in enumerate(layers):
+        for t, at in ((k, base + i * d_l), (v, base + i * d_l + d_kv)):
+            if t.data_ptr() != at or t.stride() != st or t.shape != k0.shape or \
+                    t.untyped_storage().data_ptr() != storage:
+                return None
+    try:
+        return torch.as_strided(k0, (len(layers), 2, *k0.shape[1:]), (d_l // es, d_kv // es, *st[1:]),
+                                k0.storage_offset())
+    except RuntimeError:  # outside the storage: not one buffer after all
+        return None
 
 
 def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -5,10 +5,12 @@ belongs to ``keys[i]``. A store raises kvport errors only (``TierError`` family 
 or unreachable block, ``CodecError`` for an undecodable one); the engine turns any of them into a
 recompute of the affected tokens.
 
-Optional: a store may also offer ``read_each(keys, fn, deadline=None)``, calling ``fn(i, view)`` with the raw bytes
-of blocks ``i, i+1, ...`` (one or more whole blocks per call, in key order, valid only during the
-call). The engine then copies straight from the store's memory into the cache and skips the staging
-buffer (:class:`~kvport.engines.hf.adapters.StoreBlocks` does this over a host pool).
+Optional: a store may also offer ``read_each(keys, fn, deadline=None)``, calling ``fn(i, view)`` with
+the bytes of block ``i`` (one block per call, in key order, checked, valid only during the call), and
+``write_each(keys, fill, lifetime, parent=None)``, calling ``fill(i, payload)`` to have block ``i``
+written into the stored value itself. The engine then copies straight between the store's memory and
+the cache and skips the staging buffer (:class:`~kvport.engines.hf.adapters.StoreBlocks` does both over
+a host pool, with the block envelope checked on every load and sealed on every write).
 """
 
 from __future__ import annotations

@@ -115,3 +115,12 @@ def tenant_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
 def write_tenants(path: Path, tenants: list[dict[str, Any]]) -> Path:
     path.write_text(json.dumps({"tenants": tenants}))
     return path
+
+
+def make_cert(folder: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (openssl): (cert, key)."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-days", "1", "-subj", "/CN=kvport", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return cert, key

@@ -12,53 +12,10 @@ import pytest
 
 from kvport.cli.main import main
 from kvport.errors import AuthError, TierUnavailableError, UnknownBlockError
-from kvport.protocol import handshake as hs
-from kvport.protocol.frame import HEADER_BYTES, MsgType, decode_frame, decode_header, encode_frame, frame_bytes
+from kvport.protocol.frame import HEADER_BYTES, MsgType, decode_header, encode_frame, frame_bytes
 
 from .conftest import TOKENS, MiB, base_args
-
-
-def recv_frame(s: socket.socket) -> tuple[MsgType, dict]:  # type: ignore[type-arg]
-    head = _recv_exact(s, HEADER_BYTES)
-    hdr = decode_header(head)
-    rest = _recv_exact(s, hdr.meta_len + hdr.wire_payload_bytes)
-    f = decode_frame(head + rest)
-    return f.msg_type, f.meta
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        part = s.recv(n - len(buf))
-        if not part:
-            raise ConnectionError("closed")
-        buf += part
-    return buf
-
-
-def closed_within(s: socket.socket, seconds: float) -> bool:
-    """True when the server closes the connection (EOF or reset) within ``seconds``."""
-    s.settimeout(seconds)
-    try:
-        while s.recv(65536):
-            pass
-        return True
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    except TimeoutError:
-        return False
-
-
-def authed_socket(port: int, tenant: str = "default", token: bytes | None = None) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", port), timeout=10)
-    mt, meta = recv_frame(s)
-    assert mt is MsgType.AUTH_CHALLENGE
-    nonce_c = bytes(32)
-    answer = hs.Response(nonce_c, tenant, "raw-test", hs.client_mac(token, meta["nonce_s"], nonce_c, tenant))
-    s.sendall(frame_bytes(encode_frame(MsgType.AUTH_RESPONSE, answer.to_meta())))
-    mt, _ = recv_frame(s)
-    assert mt is MsgType.AUTH_OK
-    return s
+from .raw import authed_socket, closed_within, recv_frame
 
 
 def test_missing_or_wrong_token_is_refused(tenant_server) -> None:  # type: ignore[no-untyped-def]

@@ -16,7 +16,8 @@ import click
 from kvport.cli._params import as_seconds, as_size
 from kvport.cli._run import run_click, setup_logging
 from kvport.config import Settings
-from kvport.errors import UserInputError
+from kvport.errors import ConfigError, UserInputError
+from kvport.server.admission import parse_networks
 from kvport.server.app import DEFAULT_IO_THREADS, ServerConfig, serve
 from kvport.server.limits import ServerLimits
 
@@ -50,13 +51,26 @@ def parse_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
 @click.option("--idle-timeout", default=120.0, show_default=True, type=float, callback=as_seconds, help="seconds")
 @click.option("--frame-timeout", default=30.0, show_default=True, type=float, callback=as_seconds,
               help="seconds a started frame (and its answer) may take")
+@click.option("--write-timeout", default=10.0, show_default=True, type=float, callback=as_seconds,
+              help="seconds an answer may wait without the peer taking a byte (then the connection is cut)")
+@click.option("--handshake-timeout", default=5.0, show_default=True, type=float, callback=as_seconds,
+              help="seconds from accept to login (TLS and kvport handshakes)")
+@click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1),
+              help="connections open at once, logged in or not")
+@click.option("--max-pending", default=64, show_default=True, type=click.IntRange(1),
+              help="connections not logged in yet (the oldest attempt of the busiest peer gives way to a new one)")
+@click.option("--max-per-peer", default=256, show_default=True, type=click.IntRange(0),
+              help="connections per peer address (0: no cap)")
+@click.option("--per-peer-exempt", default="127.0.0.0/8,::1/128", show_default=True, metavar="CIDRS",
+              help="comma-separated networks --max-per-peer does not apply to ('' for none)")
 @click.option("--no-spill", is_flag=True, help="on shutdown, do not move host blocks to disk")
 @click.option("--io-threads", default=DEFAULT_IO_THREADS, show_default=True, type=click.IntRange(0, 64),
               help="threads that move large payloads (0: all I/O on the event loop thread)")
 def serve_cmd(listen: str, capacity: int, disk_dir: str | None, disk_capacity: int | None, page_size: int,
               http_port: int | None, tenants_file: str | None, tls_cert: str | None, tls_key: str | None,
-              max_value: int, inflight: int, idle_timeout: float, frame_timeout: float, no_spill: bool,
-              io_threads: int) -> None:
+              max_value: int, inflight: int, idle_timeout: float, frame_timeout: float, write_timeout: float,
+              handshake_timeout: float, max_connections: int, max_pending: int, max_per_peer: int,
+              per_peer_exempt: str, no_spill: bool, io_threads: int) -> None:
     """Serve a shared KV tier (host + disk) over the kvport wire format."""
     host, port = parse_listen(listen)
     if disk_dir is not None and not disk_dir.strip():
@@ -64,8 +78,16 @@ def serve_cmd(listen: str, capacity: int, disk_dir: str | None, disk_capacity: i
                                  param_hint="'--disk'")
     if disk_capacity is not None and disk_dir is None:
         raise click.BadParameter("sizes the disk tier: give --disk FOLDER too", param_hint="'--disk-capacity'")
+    exempt = tuple(c.strip() for c in per_peer_exempt.split(",") if c.strip())
+    try:
+        parse_networks(exempt)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc).removeprefix("--per-peer-exempt: "), param_hint="'--per-peer-exempt'") \
+            from exc
     limits = ServerLimits(max_value_bytes=max_value, total_inflight_bytes=inflight,
-                          idle_timeout_s=idle_timeout, frame_timeout_s=frame_timeout)
+                          idle_timeout_s=idle_timeout, frame_timeout_s=frame_timeout, write_timeout_s=write_timeout,
+                          handshake_timeout_s=handshake_timeout, max_connections=max_connections,
+                          max_pending=max_pending, max_per_peer=max_per_peer, per_peer_exempt=exempt)
     cfg = ServerConfig(
         host=host, port=port, capacity_bytes=capacity, disk_dir=Path(disk_dir) if disk_dir else None,
         disk_capacity_bytes=disk_capacity, page_bytes=page_size,

@@ -116,7 +116,7 @@ class KVServer:
         self._ids = itertools.count(1)
         self._tasks: dict[int, tuple[asyncio.Task[None], Connection]] = {}
         self._accept: asyncio.Task[None] | None = None
-        self._tls_server: asyncio.Server | None = None
+        self._tls: ssl.SSLContext | None = None
         self._tick: asyncio.Task[None] | None = None
         self._http: HttpEndpoint | None = None
         self._lsock: socket.socket | None = None
@@ -147,12 +147,9 @@ class KVServer:
             except (OSError, OverflowError) as exc:
                 raise ConfigError(f"--listen: cannot listen on {cfg.host}:{cfg.port}: {exc}") from exc
             self.port = int(self._lsock.getsockname()[1])
-            if tls is None:
-                self._lsock.setblocking(False)
-                self._accept = asyncio.create_task(self._accept_loop(self._lsock))
-            else:
-                self._tls_server = await asyncio.start_server(
-                    self._tls_conn, sock=self._lsock, ssl=tls, ssl_handshake_timeout=cfg.limits.handshake_timeout_s)
+            self._tls = tls
+            self._lsock.setblocking(False)
+            self._accept = asyncio.create_task(self._accept_loop(self._lsock))
             if cfg.http_port is not None:
                 self._http = HttpEndpoint(cfg.host, cfg.http_port, lambda: not self.h.draining, self.h.tick)
                 self.http_port = await self._http.start()
@@ -165,8 +162,6 @@ class KVServer:
         """Close what a failed :meth:`start` opened, in the order :meth:`shutdown` does."""
         if self._accept is not None:
             self._accept.cancel()
-        if self._tls_server is not None:
-            self._tls_server.close()
         if self._lsock is not None:
             self._lsock.close()
         self._io.close()
@@ -176,7 +171,10 @@ class KVServer:
 
     # ------------------------------------------------------------ connections
     async def _accept_loop(self, lsock: socket.socket) -> None:
+        """Every connection, plain or TLS, is counted from here (:mod:`kvport.server.admission`):
+        the TLS handshake runs in the connection's task, under its login deadline."""
         loop = asyncio.get_running_loop()
+        limits = self.cfg.limits
         while True:
             try:
                 sock, addr = await loop.sock_accept(lsock)
@@ -184,28 +182,28 @@ class KVServer:
                 log.warning("accept failed: %s", exc)
                 await asyncio.sleep(0.05)
                 continue
-            tune(sock)
-            self._spawn(SockStream(sock, f"{addr[0]}:{addr[1]}", self._io))
-
-    async def _tls_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """asyncio runs this callback as the connection's task (after the TLS handshake)."""
-        peer = writer.get_extra_info("peername")
-        conn = self._admit(TlsStream(reader, writer, f"{peer[0]}:{peer[1]}" if peer else "tls"))
-        task = asyncio.current_task()
-        if conn is not None and task is not None:
-            self._track(task, conn)
-            await conn.run()
-
-    def _spawn(self, stream: AsyncStream) -> None:
-        conn = self._admit(stream)
-        if conn is not None:
+            cid = next(self._ids)
+            decision = self.h.admission.admit(cid, str(addr[0]), self.h.draining)
+            if decision.gave_way is not None:
+                self.h.metrics.refused.labels("gave_way").inc()
+                gone = self._tasks.get(decision.gave_way)
+                if gone is not None:
+                    gone[0].cancel()  # its finally closes the stream
+            if not decision.admit:
+                self.h.metrics.refused.labels(decision.refused or "full").inc()
+                with contextlib.suppress(OSError):
+                    sock.close()
+                continue
+            peer = f"{addr[0]}:{addr[1]}"
+            try:
+                tune(sock)
+            except OSError as exc:  # the peer already went away
+                log.debug("tuning %s: %s", peer, exc)
+            stream: AsyncStream = SockStream(sock, peer, self._io, limits.write_timeout_s) if self._tls is None else \
+                TlsStream(sock, self._tls, peer, limits.write_timeout_s, limits.handshake_timeout_s)
+            conn = Connection(cid, stream, self.h)
             self._track(asyncio.create_task(conn.run()), conn)
-
-    def _admit(self, stream: AsyncStream) -> Connection | None:
-        if len(self._tasks) >= self.cfg.limits.max_connections or self.h.draining:
-            stream.close()
-            return None
-        return Connection(next(self._ids), stream, self.h)
+            self.h.metrics.pending.set(self.h.admission.pending)
 
     def _track(self, task: asyncio.Task[None], conn: Connection) -> None:
         cid = conn.id
@@ -213,6 +211,7 @@ class KVServer:
 
         def done(_t: asyncio.Task[None]) -> None:
             self._tasks.pop(cid, None)
+            conn.close()  # a task cancelled before its first step never ran its own finally
 
         task.add_done_callback(done)
 
@@ -226,8 +225,6 @@ class KVServer:
         self.h.draining = True
         if self._accept is not None:
             self._accept.cancel()
-        if self._tls_server is not None:
-            self._tls_server.close()
         if self._lsock is not None:
             self._lsock.close()
         for task, conn in list(self._tasks.values()):

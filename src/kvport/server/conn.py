@@ -8,11 +8,14 @@
                  (auth failure, timeout, protocol error, peer gone, server draining)
 
 :meth:`Connection.move` is the only place the state changes; an illegal move raises
-:class:`IllegalMoveError`. Deadlines: the whole handshake within ``handshake_timeout_s``; in READY
-the first byte of the next frame within ``idle_timeout_s``; from that byte, the rest of the
-frame *and its answer* within ``frame_timeout_s`` (a slow-loris client that trickles a frame, or
-a reader that stops reading an answer, is closed). Before AUTH_OK the caps are tiny (1 KiB of
-metadata, no payload), so an unauthenticated peer cannot make the server allocate anything.
+:class:`IllegalMoveError`. Deadlines: the whole handshake -- the TLS handshake, when the server
+speaks TLS, then the kvport one -- within ``handshake_timeout_s`` of ``accept``; in READY the first
+byte of the next frame within ``idle_timeout_s``; from that byte, the rest of the frame *and its
+answer* within ``frame_timeout_s`` (a slow-loris client that trickles a frame, or a reader that
+stops reading an answer, is closed), and no ``write_timeout_s`` without the peer taking a byte of
+an answer (the stream's write deadline). Before AUTH_OK the caps are tiny (1 KiB of metadata, no
+payload), so an unauthenticated peer cannot make the server allocate anything; how many may be in
+HANDSHAKE at once is :mod:`kvport.server.admission`'s.
 
 The handshake is the one of :mod:`kvport.protocol.handshake`: the client names its tenant (the
 principal whose token signs) and its instance; ``tenant/instance`` is the holder of the leases and
@@ -76,6 +79,7 @@ class Connection:
     async def run(self) -> None:
         try:
             async with asyncio.timeout(self.h.limits.handshake_timeout_s):
+                await self.stream.start()  # the TLS handshake, if any: part of the login's deadline
                 await self._handshake()
             self.frames.limits = self.h.wire_limits
             while not self.h.draining:
@@ -102,6 +106,8 @@ class Connection:
             log.info("closing %s: %s", self.stream.peer, exc)
             await self._try_error(MsgType.ERROR, exc, 0)
         except PeerError as exc:
+            if self.stream.stalled:
+                self.h.metrics.timeouts.labels("write").inc()
             log.debug("peer %s gone: %s", self.stream.peer, exc)
         except KVPortError as exc:  # a server-side failure outside a request: log it, close the connection
             log.warning("closing %s after %s: %s", self.stream.peer, type(exc).__name__, exc)

@@ -67,6 +67,7 @@ from kvport.protocol.server import Release as ReleaseReq
 from kvport.protocol.server import Stats as StatsReq
 from kvport.protocol.server import Unpin as UnpinReq
 from kvport.server import reports
+from kvport.server.admission import Admission, parse_networks
 from kvport.server.conn import Connection
 from kvport.server.limits import ServerLimits
 from kvport.server.metrics import ServerMetrics
@@ -94,7 +95,9 @@ class Handlers:
                                   max_chunk_bytes=page_bytes, max_chunks=-(-limits.max_value_bytes // page_bytes))
         self.draining = False
         self.started = time.monotonic()
-        self.connections: dict[int, Connection] = {}
+        self.connections: dict[int, Connection] = {}  # logged in
+        self.admission = Admission(limits.max_connections, limits.max_pending, limits.max_per_peer,
+                                   parse_networks(limits.per_peer_exempt))
         self.hits: dict[bytes, int] = {}  # storage key -> GETs served (inspect's top prefixes)
         self._table: dict[type[Message], Handler] = {
             Put: self.put, Get: self.get, LookupReq: self.lookup, ContainsReq: self.contains, PinReq: self.pin,
@@ -105,11 +108,17 @@ class Handlers:
     # ------------------------------------------------------------ connections
     def connection_ready(self, conn: Connection) -> None:
         self.connections[conn.id] = conn
-        self.metrics.connections.set(len(self.connections))
+        self.admission.logged_in(conn.id)
+        self._count_connections()
 
     def connection_closed(self, conn: Connection) -> None:
         self.connections.pop(conn.id, None)  # its client's leases and pins lapse at their TTL
+        self.admission.closed(conn.id)
+        self._count_connections()
+
+    def _count_connections(self) -> None:
         self.metrics.connections.set(len(self.connections))
+        self.metrics.pending.set(self.admission.pending)
 
     def tick(self) -> None:
         """Periodic: lifetimes (store), leases and pins past their TTL (ledger), gauges."""

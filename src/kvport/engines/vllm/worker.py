@@ -3,19 +3,23 @@
 Load, per engine step (``prefix_ttft`` reports its read and copy times and GB/s)::
 
     begin_load(loads)     one batched ``get_many_into`` per request into preallocated staging slots
-                          (reads and checksums, no allocation); a block that is missing,
-                          corrupt, the wrong size or unreadable ends that request's load there:
-                          its block ids from that point on are reported as load errors
+                          (reads and checksums, no allocation), then each block's envelope
+                          checked (identity, key, one KV part per layer, each part's xxh3); a
+                          block that is missing, corrupt, the wrong size, unreadable or refused by
+                          its envelope ends that request's load there (a refused one is deleted
+                          from the store): its block ids from that point on are reported as load
+                          errors, and nothing of them is copied into the paged KV
     load_layer(i)         one ``index_copy_`` of layer i for every loaded block of the step
     finish_load()         copies any layer the engine did not ask for, drops the batch
 
 A step loading more blocks than the staging holds is copied eagerly in staging-sized waves at
 ``begin_load`` (every layer at once), so correctness never depends on the staging size.
 
-Save: ``save(saves)`` copies each block's slab of every layer into a preallocated save slot and
-puts each run of blocks with one ``put_many`` under its parent (the store writes it as one batch
-per tier, evicts to make room, and keeps the chain; best effort: a store that cannot take it loses
-the save, never the request).
+Save: ``save(saves)`` copies each block's slab of every layer into a preallocated save slot, seals
+its envelope there (each layer's part hashed right after its copy, while in cache) and puts each
+run of blocks with one ``put_many`` under its parent (the store writes it as one batch per tier,
+evicts to make room, and keeps the chain; best effort: a store that cannot take it loses the save,
+never the request).
 
 Every byte goes through the store port (:func:`kvport.client.port.open_store`): the connector
 holds a :class:`~kvport.store.TieredStore`, never a tier.
@@ -31,8 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvport import metrics
+from kvport.codec.envelope import block_format
 from kvport.deadline import Deadline, DeadlinePolicy
-from kvport.errors import DeadlineExceeded, TierError
+from kvport.errors import CodecError, DeadlineExceeded, TierError
 from kvport.keys import BlockKey
 from kvport.spec import KVSpec
 from kvport.store import TieredStore
@@ -49,6 +54,7 @@ _BLOCKS = metrics.counter("vllm_connector_blocks", "KV blocks moved by the vLLM 
 class WorkerStats:
     blocks_loaded: int = 0
     blocks_failed: int = 0
+    blocks_refused: int = 0  # read, but refused by their envelope (deleted; recomputed by vLLM)
     blocks_saved: int = 0
     saves_dropped: int = 0
     load_read_s: float = 0.0  # tier reads into staging (includes the tier's checksum)
@@ -69,11 +75,13 @@ class BlockMover:
         self.deadlines = deadlines or DeadlinePolicy()
         self._read_bps: float | None = None  # observed read speed (EWMA): what a load is expected to take
         self.paged = paged
-        self.staging = Staging(spec, staging_blocks)
-        # save buffer: one slot per block of a batched put; touched now, like the staging
-        self._save_buf = np.ones((staging_blocks, spec.num_layers, spec.bytes_per_layer_block), dtype=np.uint8)
-        self._save_views: tuple[memoryview, ...] = tuple(self._save_buf[j].reshape(-1).data
-                                                         for j in range(staging_blocks))
+        self.format = block_format(spec)  # every stored block: envelope + the block's slabs
+        h = self.format.header_len
+        self.staging = Staging(spec, staging_blocks, header=h)
+        # save buffer: one stored value per block of a batched put; touched now, like the staging
+        self._save_buf = np.ones((staging_blocks, self.format.value_bytes), dtype=np.uint8)
+        self._save_views: tuple[memoryview, ...] = tuple(self._save_buf[j].data for j in range(staging_blocks))
+        self._save_slabs = self._save_buf[:, h:].reshape(staging_blocks, spec.num_layers, spec.bytes_per_layer_block)
         self._ids: np.ndarray | None = None  # block ids of the staged batch, slot order
         self._count = 0
         self._layers_done: list[bool] = [True] * spec.num_layers
@@ -84,8 +92,8 @@ class BlockMover:
     def _read(self, keys: Sequence[BlockKey], slot0: int, deadline: Deadline | None = None) -> int:
         """Read consecutive blocks into slots slot0.. (one batched tier call: a DiskTier reads adjacent
         entries of a slab with one ``preadv``); returns how many leading blocks arrived intact (none
-        past ``deadline``)."""
-        want = self.spec.bytes_per_block
+        past ``deadline``) and passed their envelope check."""
+        want = self.format.value_bytes
         items = [(key, self.staging.slot_view(slot0 + j)) for j, key in enumerate(keys)]
         t0 = time.perf_counter()
         try:
@@ -102,14 +110,25 @@ class BlockMover:
             self._read_bps = bps if self._read_bps is None else 0.7 * self._read_bps + 0.3 * bps
         for j, n in enumerate(got):
             if n != want:
-                why = "missing, corrupt or past the deadline" if n is None else f"{n} bytes, spec says {want}"
+                why = "missing, corrupt or past the deadline" if n is None else f"{n} bytes, a stored block is {want}"
                 log.warning("kvport: block %s %s; vLLM recomputes from there", keys[j].hex(), why)
+                if n is not None:  # a value no reader of this spec can use (an old block, a truncated one)
+                    self.store.delete(keys[j])
+                return j
+            try:
+                self.format.open(self.staging.slot_view(slot0 + j), keys[j])
+            except CodecError as exc:
+                log.warning("kvport: block %s refused (%s: %s); deleted, vLLM recomputes from there",
+                            keys[j].hex(), type(exc).__name__, exc)
+                self.stats.blocks_refused += 1
+                _BLOCKS.labels(op="refused").inc()
+                self.store.delete(keys[j])
                 return j
         return len(keys)
 
     def _deadline(self, nblocks: int) -> Deadline:
         bps = self._read_bps
-        return self.deadlines.for_expected(None if bps is None else nblocks * self.spec.bytes_per_block / bps)
+        return self.deadlines.for_expected(None if bps is None else nblocks * self.format.value_bytes / bps)
 
     def begin_load(self, loads: Sequence[BlockCopy]) -> None:
         self.finish_load()
@@ -201,8 +220,9 @@ class BlockMover:
                 parent = chunk[-1][0]
 
     def _save_chunk(self, chunk: list[tuple[BlockKey, int]], parent: BlockKey | None) -> None:
-        for j, (_, block_id) in enumerate(chunk):
-            self.paged.gather_block(block_id, self._save_buf[j])
+        for j, (key, block_id) in enumerate(chunk):
+            self.paged.gather_block(block_id, self._save_slabs[j])
+            self.format.seal(self._save_views[j], key)  # right after the copy: the slabs are in cache
         items = [(key, self._save_views[j]) for j, (key, _) in enumerate(chunk)]
         try:  # one batch: a DiskTier writes it as one slab, read back later with one preadv
             self.store.put_many(items, parent=parent)

@@ -69,6 +69,7 @@ from kvport.protocol.server import Unpin as UnpinReq
 from kvport.server import reports
 from kvport.server.admission import Admission, parse_networks
 from kvport.server.conn import Connection
+from kvport.server.held import HeldTally
 from kvport.server.limits import ServerLimits
 from kvport.server.metrics import ServerMetrics
 from kvport.server.staging import StagingPool
@@ -96,6 +97,7 @@ class Handlers:
         self.draining = False
         self.started = time.monotonic()
         self.connections: dict[int, Connection] = {}  # logged in
+        self.held = HeldTally(self.ledger, limits.max_held_per_client, limits.max_held_per_tenant)
         self.admission = Admission(limits.max_connections, limits.max_pending, limits.max_per_peer,
                                    parse_networks(limits.per_peer_exempt))
         self.hits: dict[bytes, int] = {}  # storage key -> GETs served (inspect's top prefixes)
@@ -124,6 +126,7 @@ class Handlers:
         """Periodic: lifetimes (store), leases and pins past their TTL (ledger), gauges."""
         self.store.expire()
         self.ledger.expire()
+        self.held.sweep()
         self.metrics.observe(self.store, self.pool)
 
     # ------------------------------------------------------------ dispatch
@@ -154,10 +157,10 @@ class Handlers:
     def _skey(self, tenant: Tenant, key: bytes) -> bytes:
         return self.tenants.storage_key(tenant.name, key)
 
-    def _charge_held(self, holder: Owner, n: int) -> None:
-        """Leases and pins are charged before anything is recorded: a client holds a bounded number."""
-        if self.ledger.held_by(holder) + n > self.limits.max_held_per_client:
-            raise LeaseError(f"{holder} would hold more than {self.limits.max_held_per_client} lease-blocks and pins")
+    def _charge_held(self, tenant: Tenant, holder: Owner, n: int) -> None:
+        """Leases and pins are charged before anything is recorded: a client, and a tenant with all
+        its instances, hold a bounded number (LeaseError past it)."""
+        self.held.charge(tenant.name, holder, n)
 
     def _ttl(self, asked: float, default: float, cap: float) -> float:
         return min(asked, cap) if asked > 0 else default
@@ -173,7 +176,7 @@ class Handlers:
         if skey in store:
             await conn.skip_payload()
             store.lookup([skey])  # a hit: the block stays longer
-            self._pin_if(req.pin, skey, holder)
+            self._pin_if(req.pin, skey, tenant, holder)
             return await self._answer(conn, hdr, PutAnswer("exists"), "exists")
         if store.writing(skey):  # the same block is arriving on another connection: ask to retry
             return await self._reject(conn, hdr, Rejected(RejectReason.BUSY, self.limits.retry_after_s,
@@ -207,7 +210,7 @@ class Handlers:
             rej = await self._put_staged(conn, hdr, req, tenant, holder, skey, sparent, ttl)
             if rej is not None:
                 return await self._reject(conn, hdr, rej)
-        self._pin_if(req.pin, skey, holder)
+        self._pin_if(req.pin, skey, tenant, holder)
         self.metrics.bytes_in.inc(size)
         await self._answer(conn, hdr, PutAnswer("stored"), "stored")
 
@@ -247,13 +250,14 @@ class Handlers:
         finally:
             self.pool.give(staging)
 
-    def _pin_if(self, spec: PinSpec | None, skey: bytes, holder: Owner) -> None:
+    def _pin_if(self, spec: PinSpec | None, skey: bytes, tenant: Tenant, holder: Owner) -> None:
         """PUT's ``pin`` means "pinned by this client at least once", so a retried PUT never pins twice."""
         if spec is None or holder in self.ledger.pins_of(skey):
             return
-        self._charge_held(holder, 1)
+        self._charge_held(tenant, holder, 1)
         self.ledger.pin(skey, holder, spec.reason, self._ttl(spec.ttl_s, self.limits.pin_ttl_s,
                                                              self.limits.max_pin_ttl_s))
+        self.held.note(tenant.name, holder)
 
     # ------------------------------------------------------------ get
     async def get(self, conn: Connection, hdr: FrameHeader, req: Get, tenant: Tenant, holder: Owner) -> None:
@@ -265,8 +269,9 @@ class Handlers:
         try:
             kept: Lease | None = None
             if req.lease_s > 0:
-                self._charge_held(holder, 1)
+                self._charge_held(tenant, holder, 1)
                 kept = self.ledger.lease(skey, holder, min(req.lease_s, self.limits.max_lease_ttl_s))
+                self.held.note(tenant.name, holder)
             await self._send_value(conn, hdr, skey, None if kept is None else kept.lease_id)
         finally:
             with contextlib.suppress(LeaseError, UnknownBlockError):
@@ -309,17 +314,23 @@ class Handlers:
         self.metrics.requests.labels("get", "hit").inc()
 
     # ------------------------------------------------------------ lookups, pins, leases
+    def _distinct(self, tenant: Tenant, keys: tuple[bytes, ...]) -> list[bytes]:
+        """The storage keys of ``keys``, each once, in order: a key named twice in one request is
+        leased, pinned or unpinned once (and charged once)."""
+        return list(dict.fromkeys(self._skey(tenant, k) for k in keys))
+
     def _present(self, tenant: Tenant, keys: tuple[bytes, ...]) -> list[bytes]:
-        return [sk for sk in (self._skey(tenant, k) for k in keys) if sk in self.store]
+        return [sk for sk in self._distinct(tenant, keys) if sk in self.store]
 
     async def lookup(self, conn: Connection, hdr: FrameHeader, req: LookupReq, tenant: Tenant, holder: Owner) -> None:
         skeys = [self._skey(tenant, k) for k in req.keys]
         hits = self.store.lookup(skeys).prefix_blocks  # one probe per key, hit or miss alike; hits touched
         lease_id = None
         if req.lease_s > 0 and hits:
-            self._charge_held(holder, hits)
-            lease_id = self.ledger.lease_many(skeys[:hits], holder,
-                                              min(req.lease_s, self.limits.max_lease_ttl_s)).lease_id
+            held = list(dict.fromkeys(skeys[:hits]))
+            self._charge_held(tenant, holder, len(held))
+            lease_id = self.ledger.lease_many(held, holder, min(req.lease_s, self.limits.max_lease_ttl_s)).lease_id
+            self.held.note(tenant.name, holder)
         await self._answer(conn, hdr, LookupAnswer(hits, lease_id))
 
     async def contains(self, conn: Connection, hdr: FrameHeader, req: ContainsReq, tenant: Tenant,
@@ -329,10 +340,11 @@ class Handlers:
 
     async def pin(self, conn: Connection, hdr: FrameHeader, req: PinReq, tenant: Tenant, holder: Owner) -> None:
         present = self._present(tenant, req.keys)
-        self._charge_held(holder, len(present))
+        self._charge_held(tenant, holder, len(present))
         ttl = self._ttl(req.ttl_s, self.limits.pin_ttl_s, self.limits.max_pin_ttl_s)
         for sk in present:
             self.ledger.pin(sk, holder, req.reason, ttl)
+        self.held.note(tenant.name, holder)
         await self._answer(conn, hdr, CountAnswer(len(present)))
 
     async def unpin(self, conn: Connection, hdr: FrameHeader, req: UnpinReq, tenant: Tenant, holder: Owner) -> None:
@@ -341,23 +353,27 @@ class Handlers:
             if holder in self.ledger.pins_of(sk):
                 self.ledger.unpin(sk, holder)
                 n += 1
+        self.held.note(tenant.name, holder)
         await self._answer(conn, hdr, CountAnswer(n))
 
     async def lease(self, conn: Connection, hdr: FrameHeader, req: LeaseReq, tenant: Tenant, holder: Owner) -> None:
-        present = self._present(tenant, req.keys)
-        if len(present) != len(req.keys):
-            raise UnknownBlockError(f"{len(req.keys) - len(present)} of {len(req.keys)} blocks are not stored for "
+        wanted = self._distinct(tenant, req.keys)
+        present = [sk for sk in wanted if sk in self.store]
+        if len(present) != len(wanted):
+            raise UnknownBlockError(f"{len(wanted) - len(present)} of {len(wanted)} blocks are not stored for "
                                     f"{tenant.name}: nothing leased")
         lease_id = None
-        if present:
-            self._charge_held(holder, len(present))
+        if present:  # an empty list leases nothing and records nothing
+            self._charge_held(tenant, holder, len(present))
             ttl = self._ttl(req.ttl_s, self.limits.lease_ttl_s, self.limits.max_lease_ttl_s)
             lease_id = self.ledger.lease_many(present, holder, ttl).lease_id
+            self.held.note(tenant.name, holder)
         await self._answer(conn, hdr, LeaseAnswer(lease_id, len(present)))
 
     async def release(self, conn: Connection, hdr: FrameHeader, req: ReleaseReq, tenant: Tenant,
                       holder: Owner) -> None:
         self.ledger.release_id(req.lease, holder)  # someone else's, released twice or lapsed: LeaseError
+        self.held.note(tenant.name, holder)
         await self._answer(conn, hdr, Done())
 
     async def delete(self, conn: Connection, hdr: FrameHeader, req: DeleteReq, tenant: Tenant, holder: Owner) -> None:

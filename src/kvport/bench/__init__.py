@@ -11,6 +11,7 @@ from __future__ import annotations
 # suite name -> module that defines ``run(opts: SuiteOptions) -> Report``
 SUITES: dict[str, str] = {
     "codec": "kvport.bench.codec",
+    "faults": "kvport.bench.faults",
     "hash": "kvport.bench.hash",
     "planner": "kvport.bench.planner",
     "server": "kvport.bench.server",

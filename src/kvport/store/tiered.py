@@ -369,7 +369,12 @@ class TieredStore:
             _BYTES_IN.labels(name).inc(v.nbytes)
             self._index_add(name, k, v.nbytes, None, m0.lifetime, charge)
 
-    def _write(self, name: str, key: bytes, parts: Sequence[memoryview], m: _Meta) -> None:
+    def _write(self, name: str, key: bytes, parts: Sequence[memoryview], m: _Meta, *,
+               evict_when_full: bool = True) -> None:
+        """Write one block into tier ``name``, room made first by its eviction order. A tier of this
+        store's own (not shared) that runs out of room before its accounting says so (a disk whose
+        filesystem is full: ENOSPC) makes room the same way, its least valuable leaves first, until
+        the write fits or nothing more may leave (``evict_when_full=False``: it does not)."""
         t = self.tiers[name]
         if not self._health.healthy(t):
             raise TierUnavailableError(f"{name} is marked broken")
@@ -377,14 +382,19 @@ class TieredStore:
         charge = t.charge(n)
         self._make_room(name, charge)
         ttl = self._native_ttl(t, m)
-        try:
-            if t.caps.block_meta or len(parts) != 1:
-                t.put_block(key, parts, m.block_meta(), ttl_s=ttl)
-            else:
-                t.put(key, parts[0], ttl_s=ttl)
-        except TierUnavailableError:
-            self._health.mark_broken(t)
-            raise
+        while True:
+            try:
+                if t.caps.block_meta or len(parts) != 1:
+                    t.put_block(key, parts, m.block_meta(), ttl_s=ttl)
+                else:
+                    t.put(key, parts[0], ttl_s=ttl)
+                break
+            except TierUnavailableError:
+                self._health.mark_broken(t)
+                raise
+            except TierFullError:
+                if not evict_when_full or t.caps.shared or self.evict(name, charge) <= 0:
+                    raise
         self._bytes_in[name] += n
         _BYTES_IN.labels(name).inc(n)
         self._index_add(name, key, n, None, m.lifetime, charge)
@@ -692,7 +702,7 @@ class TieredStore:
                     continue
                 if k not in self._idx[target]:
                     try:
-                        self._copy_down(from_tier, target, k, self._meta[k])
+                        self._copy_down(from_tier, target, k, self._meta[k], evict_when_full=False)
                     except TierError:
                         stayed += 1
                         continue
@@ -920,14 +930,15 @@ class TieredStore:
         self._forget_in(name, key)
         return target
 
-    def _copy_down(self, src_name: str, dst_name: str, key: bytes, m: _Meta) -> None:
+    def _copy_down(self, src_name: str, dst_name: str, key: bytes, m: _Meta, *,
+                   evict_when_full: bool = True) -> None:
         src = self.tiers[src_name]
         if src.caps.zero_copy_read:  # the source's own pages go straight to the write below
-            self._write(dst_name, key, src.read_views(key), m)
+            self._write(dst_name, key, src.read_views(key), m, evict_when_full=evict_when_full)
             return
         buf = bytearray(m.size)
         n = src.get_into(key, buf)
-        self._write(dst_name, key, (memoryview(buf)[:n],), m)
+        self._write(dst_name, key, (memoryview(buf)[:n],), m, evict_when_full=evict_when_full)
 
     def _forget_in(self, name: str, key: bytes) -> None:
         """Remove ``key`` from one tier (and its index)."""

@@ -7,7 +7,9 @@
 
 Writers append a record *after* the bytes it names are in place (an ADD) and *before* they are
 removed (a DEL), so a crash leaves at worst bytes no record accounts for, never a record of bytes
-that are gone. Reading never stops at damage: a record whose magic, length or checksum is wrong is
+that are gone -- except a delete on a filesystem too full for the DEL record, whose bytes go first
+to make room for it (a reader checks that a record's bytes are there: such a record is dropped).
+Reading never stops at damage: a record whose magic, length or checksum is wrong is
 skipped and the reader looks for the next magic (one flipped byte loses one record, not the rest).
 At open the live records are rewritten compactly (temp file, fsync, rename). A folder is used by
 one process at a time: :class:`Journal` holds an exclusive ``flock`` on ``<dir>/LOCK`` while open,

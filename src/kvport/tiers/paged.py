@@ -15,8 +15,10 @@ tier under its own key ``BLAKE2b-128(key | i as u32 LE)``::
 With a :class:`~kvport.tiers.journal.Journal` the tier is persistent on its own: every value's (key, length, BlockMeta)
 is recorded in a :class:`~kvport.tiers.journal.Journal` after its pages are in place and removed
 before they go (write-ahead order: a demotion into this tier is durable before the upper copy is
-dropped), and a restart rebuilds the values from the journal. Pages no record accounts for are
-kept and reported (``quarantined``), never deleted. Values are all or nothing.
+dropped), and a restart rebuilds the values from the journal, keeping only values whose pages
+are all there. A delete on a filesystem too full for its journal record frees the pages first and
+records it after. Pages no record accounts for are kept and reported (``quarantined``), never
+deleted. Values are all or nothing.
 """
 
 from __future__ import annotations
@@ -229,10 +231,23 @@ class PagedTier(Tier):
             v = self._vals.get(key)
             if v is None:
                 return False
+            pks = page_keys(key, self.n_pages(v.length))
             if self.journal is not None:
-                self.journal.remove(key)  # before the pages go: a crash keeps bytes, never a dangling record
+                try:
+                    self.journal.remove(key)  # before the pages go: a crash keeps bytes, never a dangling record
+                except TierFullError:
+                    # no room for even the record (a full filesystem): the pages go first, then the
+                    # record; a crash in between leaves a record without its pages, which recovery drops
+                    del self._vals[key]
+                    self._delete_pages(pks)
+                    try:
+                        self.journal.remove(key)
+                    except TierError as exc:
+                        log.warning("%s: delete of %s not recorded (%s); recovery drops it", self.name, key.hex(),
+                                    exc)
+                    return True
             del self._vals[key]
-            self._delete_pages(page_keys(key, self.n_pages(v.length)))
+            self._delete_pages(pks)
             return True
 
     def _delete_pages(self, pks: list[bytes]) -> None:

@@ -1,0 +1,180 @@
+"""Against a real server process whose ``--disk`` is a small filesystem that fills up (a tmpfs of
+8 MiB; the disk tier believes it has 64 MiB): demotion and shutdown under ENOSPC, and a restart
+on the full disk. Needs root to mount; skipped (with the reason) where mounting is not permitted.
+
+What "lost" means for a cache: a value may leave, but only as the least recently used leaf of the
+store. So, with values written in order and never read in between (the write order is the LRU
+order), the unpinned plain values still held are always the *newest* ones; a pinned value, and a
+block with cached children, never leave; every value held reads back exactly; and what the server
+reported on disk before a restart is served after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvport.client.remote import RemoteTier
+
+from .conftest import MiB, base_args
+
+FS_BYTES = 8 * MiB
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    mnt = tmp_path / "small-fs"
+    mnt.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FS_BYTES}", "tmpfs", str(mnt)], check=True,
+                       capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        err = getattr(exc, "stderr", b"") or b""
+        pytest.skip(f"cannot mount a {FS_BYTES >> 20} MiB tmpfs (needs root): {exc} {err.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        with contextlib.suppress(subprocess.SubprocessError):
+            subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True, timeout=30)
+
+
+def value_of(key: bytes, n: int = MiB) -> bytes:
+    return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def key_of(tag: str, i: int) -> bytes:
+    return (tag.encode() + i.to_bytes(4, "little")).ljust(16, b".")
+
+
+def server_args(disk: Path, capacity: str) -> list[str]:
+    return [*base_args(capacity, "--disk", str(disk), "--disk-capacity", "64MiB"), "--max-value", "4MiB",
+            "--inflight", "8MiB"]
+
+
+def tiers_of(c: RemoteTier, keys: list[bytes]) -> dict[bytes, tuple[str, ...]]:
+    """Where the server holds each of ``keys`` (absent keys are left out); touches nothing."""
+    out: dict[bytes, tuple[str, ...]] = {}
+    for i in range(0, len(keys), 64):
+        for row in c.owners([*keys[i : i + 64], bytes(16)]).blocks:  # 2+ keys: no chain walk
+            out[bytes.fromhex(row.key)] = tuple(row.tiers)
+    return out
+
+
+def reads_back(c: RemoteTier, key: bytes, n: int = MiB) -> bool:
+    out = bytearray(n)
+    return c.get_into(key, out) == n and bytes(out) == value_of(key, n)
+
+
+def fill_up(fs: Path) -> None:
+    """Another process's file takes every byte the filesystem has left."""
+    fd = os.open(fs / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for step in (1 << 16, 4096, 1):
+            with contextlib.suppress(OSError):
+                while os.write(fd, bytes(step)):
+                    pass
+    finally:
+        os.close(fd)
+
+
+def test_demotion_into_a_full_disk_loses_no_value_out_of_lru_order(server_factory, small_fs: Path) -> None:  # type: ignore[no-untyped-def]
+    """Values written in order, six host pools' worth, onto a disk of 8 MiB: first the disk fills
+    with values demoted from host, then another file keeps taking every byte left (the journal
+    too must grow into a full filesystem). Throughout, the values
+    still held are the newest ones (the disk makes room for a demotion by dropping its own least
+    recently used leaves, ENOSPC or not), pinned values and the parents of a pinned block stay, no
+    child outlives its parent, and host values read back exactly. A value deleted while the disk
+    is full stays deleted; the server restarts on the full disk and serves every value it had on
+    disk."""
+    disk = small_fs / "disk"
+    srv = server_factory(*server_args(disk, "80MiB"))
+    host_pages = srv.info["host_capacity"] // MiB
+    c = srv.client(pool_size=1, backpressure_timeout_s=2.0)
+    pinned = [key_of("pin", i) for i in range(3)]
+    for k in pinned:
+        c.put_value(k, value_of(k), pin=True)
+    chain = [key_of("chain", i) for i in range(3)]  # its tail pinned: the parents never leave
+    loose = [key_of("loose", i) for i in range(3)]  # not pinned: leaves go first, never a parent first
+    for ks, pin_tail in ((chain, True), (loose, False)):
+        for i, k in enumerate(ks):
+            c.put_value(k, value_of(k), parent=ks[i - 1] if i else None, pin=pin_tail and i == len(ks) - 1)
+    plain = [key_of("v", i) for i in range(6 * host_pages)]  # after the fill-up: journal records of more than a page
+    acked: list[bytes] = []
+    pinned_on_disk: list[bytes] = []
+    for i, k in enumerate(plain):
+        out = c.put_value(k, value_of(k))
+        if not hasattr(out, "reason"):  # Stored (a Rejected is an answer too, but not an acknowledgement)
+            acked.append(k)
+        if i == 2 * host_pages:  # some blocks are on disk by now: pin two of them there
+            where = tiers_of(c, acked)
+            pinned_on_disk = [k for k in acked if where.get(k) == ("disk",)][:2]
+            assert len(pinned_on_disk) == 2, f"nothing reached the disk: {where}"
+            assert c.pin(pinned_on_disk) == 2
+        if i >= 2 * host_pages:  # from now on the other file takes every byte the store frees
+            fill_up(small_fs)
+    assert len(acked) >= 5 * host_pages  # the store kept taking writes with its disk full
+    where = tiers_of(c, pinned + chain + loose + acked)
+    for k in pinned + pinned_on_disk + chain:
+        assert k in where, f"{k!r} left the store"
+    kept = [k in where for k in loose]
+    assert kept == sorted(kept, reverse=True), f"a child outlived its parent: {kept}"
+    held = [k for k in acked if k in where and k not in pinned_on_disk]
+    assert held == acked[len(acked) - len(held):], "a value left while an older one was kept"
+    assert len(held) >= host_pages // 2
+    oldest_on_host = next(i for i, k in enumerate(acked) if where.get(k) == ("host",))
+    assert where.get(acked[oldest_on_host - 1]) == ("disk",), "the full disk stopped taking the host's victims"
+    for k in pinned + chain + loose + acked:  # host values read back exactly (a disk read would promote it
+        if where.get(k) == ("host",):          # and evict others: disk values are read after the restart)
+            assert reads_back(c, k), f"{k!r} reads back wrong"
+    fill_up(small_fs)
+    on_disk = [k for k in pinned + chain + loose + acked if "disk" in where.get(k, ())]
+    gone = next(k for k in on_disk if k in acked and k not in pinned_on_disk)
+    assert c.delete(gone)  # with the disk full: the delete is recorded all the same
+    on_disk.remove(gone)
+    c.close()
+    assert srv.stop(signal.SIGTERM) == 0
+    fill_up(small_fs)  # whatever the shutdown's spill left free
+    srv2 = server_factory(*server_args(disk, "80MiB"))
+    c = srv2.client(pool_size=1)
+    after = tiers_of(c, pinned + chain + loose + acked)
+    missing = [k for k in on_disk if k not in after]
+    assert not missing, f"{len(missing)} of {len(on_disk)} values on disk before the restart are gone"
+    assert gone not in after
+    for k in on_disk:
+        assert reads_back(c, k)
+    c.close()
+
+
+def test_shutdown_spill_goes_on_after_a_block_that_does_not_fit(server_factory, small_fs: Path) -> None:  # type: ignore[no-untyped-def]
+    """Host blocks moved to disk at SIGTERM, newest first: the newest (4 MiB) does not fit the
+    free space (ENOSPC); the older 1 MiB ones after it still do, and the restart finds them."""
+    disk = small_fs / "disk"
+    srv = server_factory(*server_args(disk, "120MiB"))
+    filler = small_fs / "filler"
+    st = os.statvfs(small_fs)
+    free = st.f_bavail * st.f_frsize
+    with open(filler, "wb") as f:  # leave 3.5 MiB: room for three 1 MiB slabs and the journal, not 4 MiB
+        f.write(bytes(free - 3 * MiB - MiB // 2))
+    c = srv.client(pool_size=1)
+    small = [key_of("small", i) for i in range(3)]
+    for k in small:
+        c.put(k, value_of(k))
+    big = key_of("big", 0)
+    c.put(big, value_of(big, 4 * MiB))  # the newest: spilled first, and too large
+    assert set(tiers_of(c, [*small, big]).values()) == {("host",)}
+    c.close()
+    assert srv.stop(signal.SIGTERM) == 0
+    srv2 = server_factory(*server_args(disk, "120MiB"))
+    c = srv2.client(pool_size=1)
+    after = tiers_of(c, [*small, big])
+    assert sorted(after) == sorted(small) and set(after.values()) == {("disk",)}
+    for k in small:
+        assert reads_back(c, k)
+    c.close()

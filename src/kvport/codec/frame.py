@@ -158,12 +158,18 @@ def _unpack_meta(raw: memoryview) -> dict[str, Any]:
     return meta
 
 
-def _open(data: Any) -> tuple[memoryview, FrameInfo, Codec]:
-    """Envelope, META (verified) and the codec it names; the sections' sizes checked, not their bytes."""
+def _open(data: Any, spec: KVSpec | None = None, key: bytes | None = None) -> tuple[memoryview, FrameInfo, Codec]:
+    """Envelope (its identity against ``spec`` and ``key`` when given, before anything is sized from
+    it), META (verified) and the codec it names; the sections' sizes checked, not their bytes."""
     mv = as_bytes(data)
     env = parse(mv)
     if env.body is not Body.CODEC:
         raise CorruptPayloadError("stored block is raw layout bytes, not a codec frame")
+    if spec is not None:
+        ident = env.identity
+        check_identity(env, Identity.of(spec, tokens=ident.tokens, layers=ident.layers), key)
+        if ident.layers > spec.num_layers:
+            raise CodecParamsError(f"frame of {ident.layers} layers, the spec has {spec.num_layers}")
     if not env.parts or env.parts[0].kind is not PartKind.META or env.parts[0].length > MAX_META + 8:
         raise CorruptPayloadError("codec frame has no META part (its codec id and params) first")
     body = mv[env.header_len :]
@@ -201,10 +207,9 @@ def decode_block(data: Any, spec: KVSpec, dst: Any, *, key: bytes | None = None,
     """Validate the frame ``data`` fully, then decode it into ``dst`` (a writable buffer of exactly the
     LKHTD range's bytes). ``key``, when given, must be the key the frame was written under; ``codec``,
     when given, must be the one that wrote it."""
-    mv, info, c = _open(data)
+    mv, info, c = _open(data, spec, key)
     assert info.envelope is not None
     env = info.envelope
-    check_identity(env, Identity.of(spec, tokens=env.identity.tokens, layers=env.identity.layers), key)
     check_against_spec(info.shape, spec)
     x = _src_array(dst, info.shape, "dst", writable=True)
     if codec is not None and (codec.codec_id, codec.params) != (c.codec_id, c.params):

@@ -78,7 +78,7 @@ def test_readers_that_stop_reading_do_not_hold_the_io_threads(server_factory) ->
 def test_a_send_without_progress_is_cut_at_the_write_timeout(server_factory) -> None:  # type: ignore[no-untyped-def]
     """``--write-timeout``: a reader that takes nothing for that long is closed long before the
     frame deadline; a reader that keeps taking bytes, however slowly, gets its whole answer."""
-    srv = server_factory(*base_args("400MiB", "--io-threads", "2", "--frame-timeout", "120", "--write-timeout", "3"))
+    srv = server_factory(*base_args("400MiB", "--io-threads", "2", "--frame-timeout", "120", "--write-timeout", "5"))
     c = srv.client(pool_size=1)
     big = b"W" * 16
     c.put(big, np.random.default_rng(7).integers(0, 256, 32 * MiB, dtype=np.uint8))
@@ -96,7 +96,7 @@ def test_a_send_without_progress_is_cut_at_the_write_timeout(server_factory) -> 
             if not part:
                 return
             left -= len(part)
-            time.sleep(0.02)
+            time.sleep(0.01)
         got.append(hdr.payload_len)
 
     reader = threading.Thread(target=read_slowly)

@@ -127,10 +127,10 @@ class KVServer:
         half-way closes what it opened (listeners, I/O threads, tiers, the disk folder's lock)."""
         cfg = self.cfg
         tenants_list = load_tenants(cfg.tenants_file, cfg.auth_token)
-        try:
+        try:  # the secret lives in the disk folder (created here when missing)
             secret = load_or_create_secret(cfg.disk_dir) if cfg.disk_dir else secrets.token_bytes(32)
-        except OSError as exc:  # creating the folder (missing parent, read-only, not a folder)
-            raise ConfigError(f"--disk {cfg.disk_dir}: {exc.strerror or exc}") from exc
+        except ConfigError as exc:  # missing parent, read-only, not a folder
+            raise ConfigError(f"--disk {cfg.disk_dir}: {exc}") from exc
         tenants = TenantTable(tenants_list, secret)
         if not is_loopback(cfg.host) and not tenants.all_have_tokens():
             raise ConfigError(f"listening on {cfg.host!r} (beyond loopback) requires a token for every tenant")

@@ -56,12 +56,13 @@ class Tally:
         self.c: dict[str, int] = dict.fromkeys(
             ("injected", "attempts", "requests", "wrong_outputs", "recomputed", "hung", "lost_committed", "failed",
              "retried", "store_errors", "transfers_refused_or_failed", "loads_fell_back", "fault_turn_prompt_tokens",
-             "fault_turn_loaded_tokens"), 0)
+             "fault_turn_loaded_tokens", "links_lost"), 0)
         self.fault_s: list[float] = []
         self.samples: list[dict[str, Any]] = []
         self.not_applied: list[str] = []
         self.errors: list[str] = []
         self.hung_where: list[dict[str, Any]] = []
+        self.link_lost_why: list[str] = []
         self.max_logprob_diff = 0.0
 
     def answer(self, ans: Answer, chat_turn: tuple[Any, int], fault: bool) -> None:
@@ -103,7 +104,7 @@ class Tally:
         fs = self.fault_s
         out["fault_turn_s"] = ({"median": round(statistics.median(fs), 3), "max": round(max(fs), 3)} if fs else None)
         out["max_logprob_diff"] = self.max_logprob_diff
-        for name in ("not_applied", "errors", "samples", "hung_where"):
+        for name in ("not_applied", "errors", "samples", "hung_where", "link_lost_why"):
             if getattr(self, name):
                 out[name] = getattr(self, name)[:MAX_SAMPLES]
         return out
@@ -173,6 +174,13 @@ def _inject(env: Env, cls: FaultClass, inj: Injection, tally: Tally, hang_s: flo
         tally.not_applied.append(inj.detail)
     if ans.hung is not None:
         env.recover()
+    elif not env.link_alive():
+        # the transfer link between the workers died with the fault and nothing in them makes a new
+        # one (the decode worker's listener takes one connection): start both again, as an operator would
+        tally.c["links_lost"] += 1
+        if len(tally.link_lost_why) < MAX_SAMPLES:
+            tally.link_lost_why.append(env.link_closed_why())
+        env.recover()
 
 
 def _classes(opts: SuiteOptions) -> list[type[FaultClass]]:
@@ -192,7 +200,7 @@ def run(opts: SuiteOptions) -> Report:
     from kvport.spec import DType, from_hf_config
 
     n = opts.number("injections", 3 if opts.quick else 20, lo=1, integer=True)
-    hang_s = opts.number("hang_s", 60.0, lo=5.0)
+    hang_s = opts.number("hang_s", 30.0 if opts.quick else 60.0, lo=5.0)
     seed = opts.number("seed", 1, integer=True)
     n_control = opts.number("control", 2 if opts.quick else 5, lo=0, integer=True)
     lo = opts.number("min_tokens", 100, lo=40, integer=True)

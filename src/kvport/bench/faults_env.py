@@ -151,6 +151,17 @@ class Env:
         """After a hang: both workers afresh (whatever they were stuck in dies with them)."""
         self.workers.restart(prefill=True, decode=True)
 
+    def link_alive(self, settle_s: float = 0.3) -> bool:
+        """The prefill worker's connection to the decode worker still runs through the fault proxy."""
+        if self.link is None:
+            return True
+        time.sleep(settle_s)  # a link that just failed is reported by the proxy a moment later
+        return self.link.proxy.linked
+
+    def link_closed_why(self) -> str:
+        why = self.link.proxy.closed_why if self.link is not None else []
+        return why[-1] if why else ""
+
     # ------------------------------------------------------------------ requests
     def chat(self, name: str, turns: int) -> Chat:
         self.chats += 1

@@ -174,6 +174,9 @@ class ProxyProc:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, env=subprocess_env(_ENV))
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.conn = 0  # the connection accepted last (0: none yet)
+        self.closed: set[int] = set()
+        self.closed_why: list[str] = []
         line = _first_line(self.proc.stdout, 30.0)
         try:
             self.port = int(json.loads(line)["port"])
@@ -186,9 +189,20 @@ class ProxyProc:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             try:
-                self.events.put(json.loads(line))
+                ev = json.loads(line)
             except ValueError:
                 continue
+            if ev.get("event") == "accepted":
+                self.conn = int(ev.get("conn", 0))
+            elif ev.get("event") == "closed" and ev.get("conn"):
+                self.closed.add(int(ev["conn"]))
+                self.closed_why.append(str(ev.get("why", "")))
+            self.events.put(ev)
+
+    @property
+    def linked(self) -> bool:
+        """A connection runs through the proxy now (the last one accepted has not closed)."""
+        return self.conn > 0 and self.conn not in self.closed
 
     def send(self, cmd: str, **kw: Any) -> None:
         if self.proc.stdin is None or self.proc.poll() is not None:

@@ -21,9 +21,10 @@ a held stream go on; ``disarm``; ``upstream`` (``host``, ``port``) for the next 
   fingerprint and ranges made consistent again, the header check recomputed
 * ``throttle``  forward the client's bytes at ``bps`` bytes/s until ``disarm`` (a slow link)
 
-Events: ``listening`` (``port``), ``accepted``, ``injected`` (``action``, ``detail``), ``held``,
-``closed`` (``why``). ``--plain`` relays bytes both ways without parsing (the network namespace's
-relays). One connection at a time: a new one replaces the old.
+Events: ``listening`` (``port``), ``accepted`` (``conn``: a number per connection), ``injected``
+(``action``, ``detail``), ``held``, ``closed`` (``conn``, ``why``). ``--plain`` relays bytes both
+ways without parsing (the network namespace's relays). One connection at a time: a new one
+replaces the old.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class Proxy:
         self.throttle_bps = 0.0
         self.release = threading.Event()
         self.conns: list[socket.socket] = []
+        self.conn_id = 0
         self.rng = random.Random(7)
 
     def emit(self, event: str, **kw: Any) -> None:
@@ -128,13 +130,15 @@ class Proxy:
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self.conns = [down, up]
-            self.emit("accepted")
+                self.conn_id += 1
+                cid = self.conn_id
+            self.emit("accepted", conn=cid)
             fwd = self._pump_plain if self.plain else self._pump_frames
-            threading.Thread(target=self._run, args=(fwd, down, up), daemon=True).start()
-            threading.Thread(target=self._run, args=(self._pump_plain, up, down), daemon=True).start()
+            threading.Thread(target=self._run, args=(fwd, down, up, cid), daemon=True).start()
+            threading.Thread(target=self._run, args=(self._pump_plain, up, down, cid), daemon=True).start()
 
     def _run(self, pump: Callable[[socket.socket, socket.socket], None], src: socket.socket,
-             dst: socket.socket) -> None:
+             dst: socket.socket, cid: int) -> None:
         why = "eof"
         try:
             pump(src, dst)
@@ -145,7 +149,7 @@ class Proxy:
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
         self.release.set()  # a held stream of a dead link does not wait
-        self.emit("closed", why=why)
+        self.emit("closed", conn=cid, why=why)
 
     def drop_all(self) -> None:
         with self._lock:

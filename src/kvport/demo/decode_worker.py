@@ -42,7 +42,7 @@ import torch
 from kvport.client.conn import ClientConfig
 from kvport.client.port import StoreConfig, open_store
 from kvport.codec.envelope import stored_bytes
-from kvport.deadline import DeadlinePolicy
+from kvport.deadline import DeadlinePolicy, within
 from kvport.demo import messages
 from kvport.demo.quiet import quiet_transformers
 from kvport.engines.hf import BlockLayout, HFEngine, Lifetime, StoreBlocks, dynamic_cache
@@ -80,6 +80,8 @@ class DecodeWorker:
         self.listener = TcpListener("127.0.0.1", 0, timeout_s=None)  # idle between requests is fine
         self.receiver: Receiver | None = None
         self._connected = threading.Event()
+        self._closing = threading.Event()
+        self._save_bps: float | None = None  # the shared tier's write speed, as saves observed it
         self._rx = ThreadPoolExecutor(1, thread_name_prefix="decode-rx")
         self._pending: dict[str, tuple[float, threading.Event, Future[tuple[Any, int, tuple[bytes, ...]]]]] = {}
         threading.Thread(target=self._accept, name="decode-accept", daemon=True).start()
@@ -93,11 +95,23 @@ class DecodeWorker:
         return BlockTableDestination(buf, range(meta.n_blocks), meta)
 
     def _accept(self) -> None:
-        t = self.listener.accept(timeout_s=None)
-        self.receiver = Receiver(t, self.spec, self._destination, self.budget, Backpressure(), auto_release=False,
-                                 ledger=self.kv_ledger, owner=self.owner, peers=[self.peer])
-        self.receiver.start()
-        self._connected.set()
+        """The prefill worker's link; when it dials again (its link broke), the new link replaces
+        the old one (whose transfer in flight, if any, aborts: the request recomputes)."""
+        while True:
+            try:
+                t = self.listener.accept(timeout_s=None)
+            except KVPortError:
+                if self._closing.is_set():
+                    return
+                time.sleep(_STEP_S)  # a dial that failed its handshake: wait for the next one
+                continue
+            rx = Receiver(t, self.spec, self._destination, self.budget, Backpressure(), auto_release=False,
+                          ledger=self.kv_ledger, owner=self.owner, peers=[self.peer])
+            old, self.receiver = self.receiver, rx
+            rx.start()
+            if old is not None:
+                old.close()
+            self._connected.set()
 
     def _receive(self, rid: str, n_tok: int, cancel: threading.Event) -> tuple[Any, int, tuple[bytes, ...]]:
         """The prefill worker's KV for ``rid`` as a cache of exactly ``n_tok`` tokens, its bytes, and
@@ -184,9 +198,20 @@ class DecodeWorker:
         decode_s = time.perf_counter() - t0 - recv_s
         seq = np.concatenate([prompt, np.asarray(tokens[:-1], dtype=np.int64)])
         stored, store_error = 0, None
+        skip = int(msg["hit_blocks"])
+        n_save = max(0, len(seq) // self.spec.block_size - skip)
+        # a save has a deadline as a load does (the bytes at the speed earlier saves reached; the
+        # policy's maximum before one was measured): a stalled shared tier costs the session's
+        # reuse, not the answer. Blocks stored before it passed stay (each is whole and sealed).
+        expected = None if self._save_bps is None else n_save * self.spec.bytes_per_block / self._save_bps
+        ts = time.perf_counter()
         try:
-            stored = self.eng.save(seq, cache, skip_blocks=int(msg["hit_blocks"]), lifetime=Lifetime.SESSION,
-                                   shared_prefix_tokens=int(msg["shared_prefix_tokens"]))
+            with within(self.deadlines.for_expected(expected)):
+                stored = self.eng.save(seq, cache, skip_blocks=skip, lifetime=Lifetime.SESSION,
+                                       shared_prefix_tokens=int(msg["shared_prefix_tokens"]))
+            if stored:
+                bps = stored * self.spec.bytes_per_block / max(time.perf_counter() - ts, 1e-6)
+                self._save_bps = bps if self._save_bps is None else 0.5 * (self._save_bps + bps)
         except KVPortError as exc:
             store_error = f"{type(exc).__name__}: {exc}"
         owned = sum(1 for k in acquired if self.kv_ledger.knows(k))
@@ -199,6 +224,7 @@ class DecodeWorker:
                 "store_error": store_error, "acquired_blocks": owned, "owned_after": len(self.kv_ledger)}
 
     def close(self) -> None:
+        self._closing.set()
         self._rx.shutdown(wait=False, cancel_futures=True)
         if self.receiver is not None:
             self.receiver.close()

@@ -26,6 +26,7 @@ while the window is below its high watermark (``try_admit``; rejections are coun
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -52,7 +53,7 @@ from kvport.ledger import Ledger, Move, Owner
 from kvport.planner import Action, Cached, Load, Planner, Request
 from kvport.planner.profile import LinkKind, machine_id
 from kvport.spec import DType, from_hf_config
-from kvport.transfer import Backpressure, Rejected, Sender, TransferMeta
+from kvport.transfer import Backpressure, Rejected, RejectReason, Sender, TransferMeta
 from kvport.transfer.sender import Outgoing
 from kvport.transfer.tcp import connect
 
@@ -82,6 +83,7 @@ class PrefillWorker:
         self.eng = HFEngine(model, self.spec, self.blocks)
         self.planner = Planner(quick_profile(self.eng, self.shared), machine=machine_id())
         self.sender: Sender | None = None
+        self._link: tuple[int, str] | None = None  # the decode worker's port and owner name
         self._layers: queue.Queue[int | None] = queue.Queue()
         self._active: tuple[int, int] | None = None  # (first new block, prompt tokens) while a prefill runs
         self._cache: Any = None
@@ -102,7 +104,8 @@ class PrefillWorker:
     def connect(self, port: int, peer: str) -> None:
         if self.sender is not None:
             self.sender.close()
-        # no socket timeout: the link idles between requests; stalls are bounded by the credit timeout
+        self._link = (port, peer)
+        # no socket timeout: the link idles between requests; each transfer has its deadline
         self.sender = Sender(connect("127.0.0.1", port, timeout_s=None), Backpressure(), credit_timeout_s=60.0,
                              ledger=self.kv_ledger, owner=self.owner, peer=Owner.engine(peer))
 
@@ -112,6 +115,14 @@ class PrefillWorker:
             raise PeerError("no decode worker connected (op: connect)")
         return self.sender
 
+    def _link_expected_s(self, nbytes: int) -> float:
+        """``nbytes`` over a loopback socket, as the calibration measured the shared tier's link."""
+        link = self.planner.profile.link(SHARED) if self.planner.profile is not None else None
+        return link.seconds(nbytes) if link is not None else 0.0
+
+    def _lookup_expected_s(self) -> float:
+        return 2 * self._link_expected_s(0)
+
     def _admit(self) -> int:
         rejections = 0
         sender = self._connected()
@@ -119,6 +130,13 @@ class PrefillWorker:
         while time.monotonic() < deadline:
             adm = sender.try_admit()
             if not isinstance(adm, Rejected):
+                break
+            if adm.reason is RejectReason.PEER_FAILED and self._link is not None:
+                # the link broke (a write cut at a deadline, the decode worker restarted): dial again;
+                # when that fails too, this request's transfer fails and the decode worker recomputes
+                with contextlib.suppress(KVPortError):
+                    self.connect(*self._link)
+                rejections += 1
                 break
             rejections += 1
             time.sleep(adm.retry_after_s if adm.retry_after_s is not None else 0.05)
@@ -154,8 +172,9 @@ class PrefillWorker:
         for k in keys:  # this request's KV, computed or loaded here, is the engine's until handed off
             self.kv_ledger.register(k, self.owner)
         fallback: str | None = None
-        try:
-            hit = self.blocks.longest_prefix(keys[: (n_tok - 1) // bs])
+        try:  # a lookup is a round trip or two to the shared tier: bounded like a tiny load
+            hit = self.blocks.longest_prefix(keys[: (n_tok - 1) // bs],
+                                             deadline=self.deadlines.for_expected(self._lookup_expected_s()))
         except KVPortError as exc:
             hit, fallback = 0, f"{type(exc).__name__}: {exc}"
         tiers = {t: self.blocks.last_tiers.count(t) for t in set(self.blocks.last_tiers)}
@@ -185,8 +204,15 @@ class PrefillWorker:
         errors: list[KVPortError] = []
         busy: list[float] = []
         h: Outgoing | None = None
+        # the hand-off has a deadline too (the planner's prefill and the stream's bytes over the
+        # link, scaled and bounded): a decode worker that stops reading, a frame lost on the way or a
+        # cut link end the transfer there (aborted; the decode worker recomputes), not in a hang
+        # (None when the planner cannot vouch for its prefill time: the policy's maximum)
+        expected = decision.choice.seconds
+        handoff = self.deadlines.for_expected(
+            None if expected is None else expected + self._link_expected_s(n * self.spec.bytes_per_block))
         try:
-            h = sender.begin(TransferMeta(self.spec, rid, tuple(keys)))
+            h = sender.begin(TransferMeta(self.spec, rid, tuple(keys)), deadline=handoff)
         except KVPortError as exc:
             errors.append(exc)
         rows = staging.numpy().reshape(n, self.spec.num_layers, -1).view(np.uint8)

@@ -16,6 +16,8 @@ import socket
 import ssl
 from collections.abc import Sequence
 
+from kvport.deadline import Deadline
+from kvport.deadline import current as current_deadline
 from kvport.errors import PeerError
 from kvport.protocol.transport import Buffer, advance, as_byte_views
 
@@ -81,20 +83,43 @@ class SocketTransport:
         self.sock.settimeout(timeout_s)
 
     def send(self, parts: Sequence[Buffer]) -> None:
+        """Write every part. Under a :func:`kvport.deadline.current` deadline a write that cannot
+        finish by then stops with PeerError (the frame is cut: the connection is unusable); the
+        socket's own timeout is left alone (a reader thread may share it)."""
         views = as_byte_views(parts)
         i = 0
+        deadline = current_deadline()
         try:
             if self._tls:
                 for v in views:
                     self.sock.sendall(v)
                 return
             while i < len(views):
-                n = self.sock.sendmsg(views[i : i + _IOV_MAX])
+                if deadline is None:
+                    n = self.sock.sendmsg(views[i : i + _IOV_MAX])
+                else:
+                    n = self._send_by(deadline, views[i : i + _IOV_MAX])
                 i = advance(views, i, n)  # drop finished views, slice the partial one
         except TimeoutError as exc:
             raise PeerError(f"{self.name}: send timed out (peer stopped reading)") from exc
         except OSError as exc:
             raise PeerError(f"{self.name}: send failed: {exc}") from exc
+
+    def _send_by(self, deadline: Deadline, views: list[memoryview]) -> int:
+        """One non-blocking ``sendmsg`` once the socket is writable, waiting at most until ``deadline``
+        (and the socket's timeout)."""
+        poller = select.poll()
+        poller.register(self.sock, select.POLLOUT)
+        while True:
+            wait = deadline.timeout(self.sock.gettimeout())
+            if not poller.poll(wait * 1000):
+                if deadline.expired:
+                    raise PeerError(f"{self.name}: send past its deadline (peer stopped reading)")
+                raise TimeoutError
+            try:
+                return self.sock.sendmsg(views, [], socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                continue
 
     def recv_into(self, parts: Sequence[memoryview]) -> None:
         views = as_byte_views(parts)

@@ -34,9 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvport.deadline import Deadline, within
+from kvport.deadline import current as current_deadline
 from kvport.errors import (
+    BackpressureTimeout,
     CodecError,
     ConfigError,
+    DeadlineExceeded,
     IllegalMoveError,
     KVPortError,
     OwnershipError,
@@ -110,6 +114,7 @@ class Outgoing:
     sent_bytes: int = 0
     layers_sent: set[int] = field(default_factory=set)
     link: LinkCodec | None = None  # the link's codec: block-layers are encoded before they go out
+    deadline: Deadline | None = None  # nothing of this transfer waits past it (credits, answers, writes)
 
     def _move(self, to: OutState) -> None:
         if to not in _ALLOWED[self.state]:
@@ -232,20 +237,24 @@ class Sender:
             self.ledger.commit_transfer(h.ledger_tid)
 
     def _wait(self, h: Outgoing, pred: Callable[[], bool], timeout: float | None, what: str) -> None:
+        limit = timeout if h.deadline is None else h.deadline.timeout(timeout)
         with self._cond:
-            ok = self._cond.wait_for(lambda: pred() or h.done or self._dead is not None, timeout)
+            ok = self._cond.wait_for(lambda: pred() or h.done or self._dead is not None, limit)
             if h.error is not None:
                 raise h.error
             if self._dead is not None:
                 raise self._dead
             if not ok:
-                err = PeerError(f"transfer {h.tid}: no {what} within {timeout} s")
+                err: TransferError = PeerError(f"transfer {h.tid}: no {what} within {timeout} s")
+                if h.deadline is not None and h.deadline.expired:
+                    err = DeadlineExceeded(f"transfer {h.tid}: no {what} before its deadline")
                 self._fail(h, err)
                 raise err
 
     def _send(self, msg: Message, chunks: Sequence[Buffer] = (), chunk_size: int | None = None,
-              digests: bytes | None = None) -> None:
-        with self._wlock:
+              digests: bytes | None = None, deadline: Deadline | None = None) -> None:
+        """One frame; with a ``deadline`` the socket writes stop at it (PeerError: the stream is cut)."""
+        with self._wlock, within(deadline):
             self.io.send(msg.TYPE, msg.to_meta(), chunks, chunk_size, digests=digests)
 
     # ------------------------------------------------------------------ API
@@ -255,10 +264,15 @@ class Sender:
             return Rejected(RejectReason.PEER_FAILED, 1.0, f"connection failed: {self._dead}")
         return self.window.admission()
 
-    def begin(self, meta: TransferMeta, timeout_s: float | None = 30.0) -> Outgoing:
+    def begin(self, meta: TransferMeta, timeout_s: float | None = 30.0, deadline: Deadline | None = None) -> Outgoing:
         """Announce a transfer and wait for the receiver's verdict (raises its refusal). With a ledger,
         the receiver's owner is checked and the blocks move to the transfer before this returns
-        (UnknownPeerError / IllegalMoveError abort it: nothing changes in the ledger)."""
+        (UnknownPeerError / IllegalMoveError abort it: nothing changes in the ledger).
+
+        ``deadline`` (default: the caller's :func:`kvport.deadline.current`) bounds the whole
+        transfer: every wait for an answer or for credits, and every socket write. Past it the
+        transfer aborts with DeadlineExceeded (a write cut short breaks the connection: PeerError)."""
+        deadline = deadline if deadline is not None else current_deadline()
         with self._cond:
             if self._dead is not None:
                 raise self._dead
@@ -271,10 +285,11 @@ class Sender:
                 link = LinkCodec(self.codec, meta.spec)
                 meta = dataclasses.replace(meta, codec_id=self.codec.codec_id, codec_params=self.codec.params,
                                            chunk_bytes=link.chunk_bytes)
-            h = Outgoing(next(self._tids), meta, new_tid(), link=link)
+            h = Outgoing(next(self._tids), meta, new_tid(), link=link, deadline=deadline)
             self._current = h
         try:
-            self._send(TransferBegin(h.tid, meta, "" if self.owner is None else str(self.owner), h.ledger_tid))
+            self._send(TransferBegin(h.tid, meta, "" if self.owner is None else str(self.owner), h.ledger_tid),
+                       deadline=h.deadline)
         except TransferError as exc:
             with self._cond:
                 self._fail(h, exc)
@@ -372,12 +387,12 @@ class Sender:
                     raise h.error or self._dead or PeerError("connection failed")
                 k = min(per_frame, n_units - i)
                 if self.bp.enabled:
-                    wait_for(self.window, unit, self.credit_timeout_s)
+                    self._wait_credit(h, unit)
                     k = max(1, min(k, self.window.available // unit))
                 self.window.consume(k * unit)
                 a, b = i * n_layers, (i + k) * n_layers
                 self._send(LayerHead(h.tid, layer, i, n_layers), chunks[a:b], lb,
-                           None if digests is None else digests[8 * a : 8 * b])
+                           None if digests is None else digests[8 * a : 8 * b], h.deadline)
                 h.sent_bytes += k * unit
                 self._sent_bytes.inc(k * unit)
                 i += k
@@ -389,6 +404,16 @@ class Sender:
             with self._cond:
                 self._fail(h, exc)
             self._send_abort(h, exc)
+            raise
+
+    def _wait_credit(self, h: Outgoing, unit: int) -> None:
+        if h.deadline is None:
+            wait_for(self.window, unit, self.credit_timeout_s)
+            return
+        try:
+            wait_for(self.window, unit, h.deadline.timeout(self.credit_timeout_s))
+        except BackpressureTimeout:
+            h.deadline.check(f"transfer {h.tid}: waiting for credit")
             raise
 
     def _encode_layer(self, link: LinkCodec, layer: int, blocks: Sequence[Buffer]) -> list[memoryview]:
@@ -411,7 +436,7 @@ class Sender:
                 raise h.error
             h._move(OutState.ENDED)
         try:
-            self._send(TransferEnd(h.tid))
+            self._send(TransferEnd(h.tid), deadline=h.deadline)
         except TransferError as exc:
             with self._cond:
                 self._fail(h, exc)
@@ -425,15 +450,18 @@ class Sender:
         self._send_abort(h, exc)
 
     def _send_abort(self, h: Outgoing, exc: KVPortError) -> None:
-        with contextlib.suppress(TransferError):  # the connection is gone; the receiver aborts on EOF
-            self._send(TransferAbort(h.tid, exc))
+        # a small frame, bounded like the transfer (a second past its deadline at most); when the
+        # connection is gone or stuck, the receiver aborts on EOF or on its own deadline
+        with contextlib.suppress(TransferError):
+            self._send(TransferAbort(h.tid, exc), deadline=None if h.deadline is None else Deadline.after(1.0))
 
     def send(self, meta: TransferMeta, layer_blocks: Callable[[int], Sequence[Buffer]],
-             timeout_s: float | None = 60.0, layer_digests: Callable[[int], bytes] | None = None) -> Outgoing:
+             timeout_s: float | None = 60.0, layer_digests: Callable[[int], bytes] | None = None,
+             deadline: Deadline | None = None) -> Outgoing:
         """Whole transfer: begin, every block with all its layers (:meth:`send_blocks`; the views of
         every layer, ``layer_blocks(l)``, and the producer's ``layer_digests(l)`` when it has them),
-        end."""
-        h = self.begin(meta, timeout_s)
+        end; within ``deadline`` (see :meth:`begin`)."""
+        h = self.begin(meta, timeout_s, deadline)
         layers = [layer_blocks(layer) for layer in h.meta.layers]
         self.send_blocks(h, layers, None if layer_digests is None else [layer_digests(la) for la in h.meta.layers])
         self.end(h, timeout_s)

@@ -63,6 +63,7 @@ class Tally:
         self.errors: list[str] = []
         self.hung_where: list[dict[str, Any]] = []
         self.link_lost_why: list[str] = []
+        self.store_error_samples: list[str] = []
         self.max_logprob_diff = 0.0
 
     def answer(self, ans: Answer, chat_turn: tuple[Any, int], fault: bool) -> None:
@@ -75,7 +76,11 @@ class Tally:
             c["fault_turn_loaded_tokens"] += int(ans.prefill.get("loaded_tokens") or 0) if not ans.retries else 0
         c["recomputed"] += int(ans.recomputed)
         c["retried"] += int(ans.retries > 0)
-        c["store_errors"] += int(bool(ans.decode.get("store_error")))
+        store_error = ans.decode.get("store_error")
+        c["store_errors"] += int(bool(store_error))
+        if store_error and len(self.store_error_samples) < 3 and str(store_error)[:80] not in \
+                [e[:80] for e in self.store_error_samples]:
+            self.store_error_samples.append(str(store_error)[:300])
         c["transfers_refused_or_failed"] += int(bool(ans.prefill) and not ans.prefill.get("committed"))
         c["loads_fell_back"] += int(bool(ans.prefill.get("fallback")))
         c["lost_committed"] += ans.handoff_lost
@@ -104,7 +109,7 @@ class Tally:
         fs = self.fault_s
         out["fault_turn_s"] = ({"median": round(statistics.median(fs), 3), "max": round(max(fs), 3)} if fs else None)
         out["max_logprob_diff"] = self.max_logprob_diff
-        for name in ("not_applied", "errors", "samples", "hung_where", "link_lost_why"):
+        for name in ("not_applied", "errors", "samples", "hung_where", "link_lost_why", "store_error_samples"):
             if getattr(self, name):
                 out[name] = getattr(self, name)[:MAX_SAMPLES]
         return out
@@ -218,6 +223,14 @@ def run(opts: SuiteOptions) -> Report:
     spec = from_hf_config(model_dir, dtype=DType.FP32)
     link = raw_socket_gbps(32 << 20, trials=2) or 0.0
     oracle = Oracle(model_dir, max_new, threads=2)
+    cond = conditions(
+        model="SmolLM2-135M-Instruct fp32 (transformers), 1 thread per worker, oracle 2 threads",
+        prompt_tokens_turn1=[lo, hi], prompt_tokens_max=int(hi * 4 / 3) + 40,
+        injections_per_class=n, hang_s=hang_s, seed=seed, classes=[c.name for c in chosen],
+        link="prefill worker -> TCP 127.0.0.1 -> fault proxy -> decode worker (partition: via a netns veth)",
+        shared_tier="kvport serve, ~36 one-MiB host pages + disk (per class: see results.classes.NAME.setup)",
+        receive_budget_bytes=4 << 20, block_size=spec.block_size, bytes_per_block=spec.bytes_per_block,
+        **oracle.describe())  # at the start: its load average is the start's
     t0 = time.monotonic()
     results: dict[str, Any] = {"classes": {}}
     with contextlib.ExitStack() as stack:
@@ -238,12 +251,4 @@ def run(opts: SuiteOptions) -> Report:
     results["injections_per_class"] = n
     results["worker_starts"] = worker_starts
     results["elapsed_s"] = round(time.monotonic() - t0, 1)
-    cond = conditions(
-        model="SmolLM2-135M-Instruct fp32 (transformers), 1 thread per worker, oracle 2 threads",
-        prompt_tokens_turn1=[lo, hi], prompt_tokens_max=int(hi * 4 / 3) + 40,
-        injections_per_class=n, hang_s=hang_s, seed=seed, classes=[c.name for c in chosen],
-        link="prefill worker -> TCP 127.0.0.1 -> fault proxy -> decode worker (partition: via a netns veth)",
-        shared_tier="kvport serve, ~36 one-MiB host pages + disk (per class: see results.classes.NAME.setup)",
-        receive_budget_bytes=4 << 20, block_size=spec.block_size, bytes_per_block=spec.bytes_per_block,
-        **oracle.describe())
     return finish(Report("faults", cond, {"raw_socket_gbps": link}, results))

@@ -9,7 +9,8 @@ there. ``inj.lost`` counts committed blocks gone or wrong, by each class's rule:
 * ``disk_*``        the chat's blocks before the damaged one (its ancestors, the system prompt's
                     among them) missing or unreadable afterwards
 * ``server_stall``  turn 1's blocks present before the stall and missing after it
-* ``disk_full``     blocks present before the disk filled (on disk or in the pool) missing after
+* ``disk_full``     turn 1's blocks (pinned before the disk filled) missing after, or a block the
+                    server still lists that does not read back
 * ``tier_full``     the pinned blocks that fill the tier, missing after any request
 * ``lease_expiry``  leased blocks that a DELETE removed while the lease was live
 * ``redis_restart`` none: Redis runs without persistence here, a restart is a clean miss by design
@@ -194,25 +195,47 @@ class ServerStall(FaultClass):
 
 
 class DiskFull(FaultClass):
-    """The server's ``--disk`` is a small tmpfs; before turn 2 a file takes all of it but 64 KiB, so
-    turn 2's saves need demotions that cannot be written (ENOSPC); the file goes after the turn."""
+    """The server's ``--disk`` is a small tmpfs; before turn 2 turn 1's blocks are pinned (a client
+    that must keep them) and a file takes all of the tmpfs but 64 KiB, so turn 2's saves need
+    demotions that cannot be written (ENOSPC); the file goes, and the pins, after the turn.
+
+    Unpinned blocks may leave the pool to admit new ones (eviction: with the disk full they are
+    dropped instead of demoted; counted in ``details.dropped_unpinned``). Lost: a pinned block gone,
+    or a block the server still lists that does not read back with its own bytes."""
 
     name, turns = "disk_full", 2
     setup = Setup(server=ServerProfile("disk_full", tmpfs_bytes=192 * MiB))
+    MAX_FILL_BYTES: ClassVar[int] = 2 << 30  # without a tmpfs, a shared disk is filled only if this is all it has
 
     def before(self, env: Env, inj: Injection) -> None:
         if env.tmpfs is None:
             return
         self.details["tmpfs_mounted"] = env.tmpfs.mounted
+        if not env.tmpfs.mounted and env.tmpfs.free_bytes() > self.MAX_FILL_BYTES:
+            inj.detail = (f"no tmpfs (mount refused) and {env.tmpfs.free_bytes() >> 30} GiB free on the folder's "
+                          "file system: not filled")
+            return
         keys = list(env.bench.keys())
-        inj.data["held"] = [k for k, p in zip(keys, env.present(keys), strict=True) if p]
+        held = [k for k, p in zip(keys, env.present(keys), strict=True) if p]
+        saved = env.cached_keys(inj.chat, 1)
+        pinned = [k for k, p in zip(saved, env.present(saved), strict=True) if p]
+        env.bench.pin(pinned, "bench faults: disk full", 600.0)
+        inj.data.update(held=[k for k in held if k not in set(pinned)], pinned=pinned)
         env.tmpfs.fill(64 << 10)
         inj.applied = True
 
     def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
         if env.tmpfs is not None:
             env.tmpfs.unfill()
-        inj.lost = _missing(env, inj.data.get("held", []))
+        pinned: list[bytes] = inj.data.get("pinned", [])
+        held: list[bytes] = inj.data.get("held", [])
+        present = [k for k, p in zip(held, env.present(held), strict=True) if p]
+        self.count("dropped_unpinned", len(held) - len(present))
+        self.count("pinned_blocks", len(pinned))
+        sample = self.rng.sample(present, min(16, len(present)))
+        inj.lost = _lost(env, pinned) + len(sample) - env.readable(sample)
+        if pinned:
+            env.bench.unpin(pinned)
         if ans is not None and ans.decode.get("store_error"):
             self.count("saves_refused")
 

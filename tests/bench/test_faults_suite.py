@@ -120,4 +120,5 @@ def test_faults_suite_subset_keeps_every_answer_right(model_dir: Path) -> None:
         assert {"injected", "wrong_outputs", "recomputed", "hung", "lost_committed"} <= set(c), name
         assert c["injected"] == 1 and c["recomputed"] >= 1, (name, c)  # each of these makes kvport fall back
     assert res["wrong_outputs"] == res["hung"] == res["lost_committed"] == res["failed"] == 0, res
+    assert res["not_recovered"] == 0, res  # after each fault, the next request finds kvport back to normal
     assert res["control"]["recomputed"] == 0 and res["control"]["wrong_outputs"] == 0

@@ -31,6 +31,8 @@ import random
 import statistics
 import sys
 import time
+import traceback
+from pathlib import Path
 from typing import Any
 
 from kvport.bench.faults_classes import LINK_CLASSES, Control, FaultClass, Injection
@@ -56,7 +58,7 @@ class Tally:
         self.c: dict[str, int] = dict.fromkeys(
             ("injected", "attempts", "requests", "wrong_outputs", "recomputed", "hung", "lost_committed", "failed",
              "retried", "store_errors", "transfers_refused_or_failed", "loads_fell_back", "fault_turn_prompt_tokens",
-             "fault_turn_loaded_tokens", "links_lost"), 0)
+             "fault_turn_loaded_tokens", "links_lost", "not_recovered"), 0)
         self.fault_s: list[float] = []
         self.samples: list[dict[str, Any]] = []
         self.not_applied: list[str] = []
@@ -64,6 +66,7 @@ class Tally:
         self.hung_where: list[dict[str, Any]] = []
         self.link_lost_why: list[str] = []
         self.store_error_samples: list[str] = []
+        self.not_recovered_why: list[str] = []
         self.max_logprob_diff = 0.0
 
     def answer(self, ans: Answer, chat_turn: tuple[Any, int], fault: bool) -> None:
@@ -109,7 +112,8 @@ class Tally:
         fs = self.fault_s
         out["fault_turn_s"] = ({"median": round(statistics.median(fs), 3), "max": round(max(fs), 3)} if fs else None)
         out["max_logprob_diff"] = self.max_logprob_diff
-        for name in ("not_applied", "errors", "samples", "hung_where", "link_lost_why", "store_error_samples"):
+        for name in ("not_applied", "errors", "samples", "hung_where", "link_lost_why", "store_error_samples",
+                     "not_recovered_why"):
             if getattr(self, name):
                 out[name] = getattr(self, name)[:MAX_SAMPLES]
         return out
@@ -138,7 +142,8 @@ def run_class(env: Env, cls: FaultClass, n: int, hang_s: float, log: Any = None,
             try:
                 _inject(env, cls, inj, tally, hang_s)
             except (KVPortError, OSError, RuntimeError) as exc:
-                tally.errors.append(f"{type(exc).__name__}: {exc}")
+                where = traceback.extract_tb(exc.__traceback__)[-1]
+                tally.errors.append(f"{type(exc).__name__}: {exc} ({Path(where.filename).name}:{where.lineno})")
                 if len(tally.errors) >= 3:
                     break
             if log is not None:
@@ -169,6 +174,9 @@ def _inject(env: Env, cls: FaultClass, inj: Injection, tally: Tally, hang_s: flo
             _where(env, tally, ans)
     finally:
         cls.after(env, inj, ans)  # lift the fault (also after a failure) before anything else
+        if ans is None:  # during() failed: the turn runs on; nothing else starts before it ended
+            with contextlib.suppress(Exception):
+                turn.result(timeout=hang_s + 60)
     if ans is None:
         return
     tally.answer(ans, (chat, cls.turns - 1), fault=True)
@@ -179,12 +187,28 @@ def _inject(env: Env, cls: FaultClass, inj: Injection, tally: Tally, hang_s: flo
         tally.not_applied.append(inj.detail)
     if ans.hung is not None:
         env.recover()
-    elif not env.link_alive():
-        # the transfer link between the workers died with the fault and nothing in them makes a new
-        # one (the decode worker's listener takes one connection): start both again, as an operator would
+        return
+    if not env.link_alive():
         tally.c["links_lost"] += 1
         if len(tally.link_lost_why) < MAX_SAMPLES:
             tally.link_lost_why.append(env.link_closed_why())
+    _probe(env, cls, tally, hang_s)
+
+
+def _probe(env: Env, cls: FaultClass, tally: Tally, hang_s: float) -> None:
+    """After the fault was lifted, kvport must be back to normal by itself: the next request (a fresh
+    one-turn chat, checked like any) is answered right with its transfer committed and nothing
+    recomputed. If not, both workers start again, as an operator would (``not_recovered``), so the
+    next injection starts from a working system."""
+    chat = env.chat(f"{cls.name}-after", 1)
+    ans = env.start_turn(chat, 0, hang_s).result()
+    tally.answer(ans, (chat, 0), fault=False)
+    ok = ans.hung is None and ans.failed is None and bool(ans.prefill.get("committed")) and not ans.recomputed
+    if not ok:
+        tally.c["not_recovered"] += 1
+        if len(tally.not_recovered_why) < MAX_SAMPLES:
+            tally.not_recovered_why.append(str(ans.hung or ans.failed or ans.prefill.get("transfer_error")
+                                               or ans.decode.get("fallback") or ans.prefill.get("fallback"))[:300])
         env.recover()
 
 
@@ -244,7 +268,8 @@ def run(opts: SuiteOptions) -> Report:
             dirty = cls.dirties_server
         worker_starts = env.workers.starts
     per = results["classes"].values()
-    for key in ("wrong_outputs", "hung", "lost_committed", "failed", "recomputed", "requests", "injected"):
+    for key in ("wrong_outputs", "hung", "lost_committed", "failed", "not_recovered", "recomputed", "requests",
+                "injected"):
         results[key] = sum(int(c[key]) for c in per)
     results["classes_tested"] = sum(1 for c in per if c["injected"] > 0)
     results["classes_at_target"] = sum(1 for c in per if c["injected"] >= n)

@@ -99,13 +99,18 @@ class RedisRestart(FaultClass):
     setup = Setup(redis=True)
 
     def during(self, env: Env, inj: Injection, turn: Future[Answer]) -> None:
-        if not _sleep_unless_done(turn, self.rng.uniform(0.0, 0.15)):
+        if not _sleep_unless_done(turn, self.rng.uniform(0.0, 0.05)):
             inj.detail = "the turn was answered before the restart"
             return
         if env.redis is not None:
             env.redis.kill()
             env.redis.start()
             inj.applied = True
+
+    def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+        cached = len(env.cached_keys(inj.chat, 1)) * env.spec.block_size
+        if ans is not None and inj.applied and int(ans.prefill.get("hit_tokens") or 0) < cached:
+            self.count("turns_that_missed_blocks_redis_lost")
 
 
 class _DiskDamage(FaultClass):

@@ -200,10 +200,14 @@ class DecodeWorker:
         stored, store_error = 0, None
         skip = int(msg["hit_blocks"])
         n_save = max(0, len(seq) // self.spec.block_size - skip)
-        # a save has a deadline as a load does (the bytes at the speed earlier saves reached; the
-        # policy's maximum before one was measured): a stalled shared tier costs the session's
-        # reuse, not the answer. Blocks stored before it passed stay (each is whole and sealed).
-        expected = None if self._save_bps is None else n_save * self.spec.bytes_per_block / self._save_bps
+        # a save has a deadline as a load does (the bytes at the speed earlier saves reached; before
+        # one was measured, at the link speed the router expected for this request's stream; else
+        # the policy's maximum): a stalled or full shared tier costs the session's reuse, not the
+        # answer. Blocks stored before it passed stay (each is whole and sealed).
+        bps = self._save_bps
+        if bps is None and received and isinstance(expected, int | float) and expected > 0:
+            bps = received / expected
+        expected = None if bps is None else n_save * self.spec.bytes_per_block / bps
         ts = time.perf_counter()
         try:
             with within(self.deadlines.for_expected(expected)):

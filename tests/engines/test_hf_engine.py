@@ -93,6 +93,26 @@ def test_partial_prefix_reuse_and_next_turn_hits_the_answer(model: object, model
     assert r3.tokens == plain.generate(turn2, NEW).tokens
 
 
+def test_a_save_restores_what_left_the_store_after_its_lookup(model: object, model_dir: Path, tier: HostTier) -> None:
+    """A save told to skip the blocks a lookup found starts at the first one that has left since (a
+    load found it damaged, it was evicted or deleted), so the chain stays whole and hits again."""
+    spec = from_hf_config(model_dir, dtype=DType.FP32)
+    store = TieredStore([tier])
+    eng = HFEngine(model, spec, StoreBlocks(store, spec))
+    eng.eos = frozenset()
+    prompt = _prompt(100, 11)
+    eng.generate(prompt, NEW, store_output=False)
+    keys = eng.keys(prompt[:96])
+    assert eng.store.longest_prefix(keys) == 6
+    for k in keys[2:]:  # the chain's tail left after a lookup saw all six
+        store.delete(k)
+    pf = eng.prefill(prompt)  # a fresh prefill: the cache holds the whole prompt
+    assert eng.save(prompt, pf.cache, skip_blocks=6, lifetime=Lifetime.SESSION) == 4
+    assert eng.store.longest_prefix(keys) == 6
+    again = eng.generate(prompt, NEW, store_output=False)
+    assert again.cached_tokens == 96 and again.fallback is None
+
+
 class _Recorder:
     def __init__(self, inner: StoreBlocks) -> None:
         self.inner = inner

@@ -293,3 +293,49 @@ def test_put_many_writes_one_batch_per_tier_and_keeps_the_chain(tmp_path) -> Non
     dst = bytearray(32)
     for i in (0, 1, 2, 3, 4, 7, 9):
         assert s.get_into(k(i), dst) == 32 and dst == val(i)
+
+
+def test_a_shared_tier_is_asked_again_for_what_another_process_removed(redis_server) -> None:  # type: ignore[no-untyped-def]
+    """A shared tier's blocks come and go with other processes: a lookup asks it about what this store
+    found there before, ends the prefix at the first block gone, and a save can put it back under
+    its parent (nothing is deleted there on this store's behalf)."""
+    from kvport.tiers import RedisTier
+
+    red = RedisTier(redis_server.url, prefix="store-stale:", socket_timeout_s=2, name="redis")
+    other = RedisTier(redis_server.url, prefix="store-stale:", socket_timeout_s=2, name="redis")
+    s = TieredStore([red])
+    try:
+        chain(s, range(6))
+        keys = [k(i) for i in range(6)]
+        assert s.lookup(keys).prefix_blocks == 6
+        for i in (3, 4, 5):  # another process (an evicting pool, a load that found it damaged)
+            other.delete(k(i))
+        assert s.lookup(keys).prefix_blocks == 3
+        assert s.where(k(4)) == () and s.where(k(2)) == ("redis",)
+        s.put(k(3), val(3), parent=k(2))
+        assert s.lookup(keys).prefix_blocks == 4 and other.contains_many(keys[:4]) == [True] * 4
+        dst = bytearray(32)
+        assert s.get_into(k(3), dst) == 32 and dst == val(3)
+    finally:
+        red.close()
+        other.close()
+
+
+def test_a_delete_that_fails_past_a_deadline_leaves_the_index_whole() -> None:
+    """A shared tier's delete can fail with the caller's deadline (a stopped server): the block and
+    its descendants leave this store's index all the same, never half (an entry without its record
+    made every later lookup crash)."""
+    from kvport.errors import DeadlineExceeded
+
+    class Stalled(HostTier):
+        def delete(self, key: bytes) -> bool:
+            raise DeadlineExceeded("server unreachable within the load's deadline")
+
+    s = TieredStore([Stalled(8 * 64, 64, name="host")])
+    chain(s, range(4))
+    keys = [k(i) for i in range(4)]
+    assert s.delete(k(1))
+    assert s.lookup(keys).prefix_blocks == 1
+    assert all(s.where(k(i)) == () for i in (1, 2, 3))
+    s.put(k(1), val(1), parent=k(0))
+    assert s.lookup(keys).prefix_blocks == 2

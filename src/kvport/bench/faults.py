@@ -207,8 +207,11 @@ def _probe(env: Env, cls: FaultClass, tally: Tally, hang_s: float) -> None:
     if not ok:
         tally.c["not_recovered"] += 1
         if len(tally.not_recovered_why) < MAX_SAMPLES:
-            tally.not_recovered_why.append(str(ans.hung or ans.failed or ans.prefill.get("transfer_error")
-                                               or ans.decode.get("fallback") or ans.prefill.get("fallback"))[:300])
+            why = (ans.hung or ans.failed or ans.prefill.get("transfer_error") or ans.decode.get("fallback")
+                   or ans.prefill.get("fallback")
+                   or f"committed={ans.prefill.get('committed')} retries={ans.retries} "
+                      f"action={ans.prefill.get('action')} reason={ans.prefill.get('reason')}")
+            tally.not_recovered_why.append(str(why)[:300])
         env.recover()
 
 

@@ -249,25 +249,52 @@ class Env:
             self.bench.put_value(k, value, lifetime=Lifetime.REQUEST, ttl_s=30.0)
         self.bench.delete_many(fill)
 
-    def slab_of(self, key: bytes) -> Path | None:
-        """The slab file holding ``key``'s (first) page on the server's disk, or None."""
+    def pages_of(self, key: bytes, most: int = 8) -> list[bytes]:
+        """The disk page keys ``key``'s value may use (its first ``most``): the server stores a value
+        as pages keyed by the tenant's storage key and the page's index."""
         from kvport.server.tenants import SECRET_FILE, Tenant, TenantTable
-        from kvport.tiers.disk import _ENTRY, HEAD_BYTES
         from kvport.tiers.paged import page_keys
 
         secret = (self.disk / SECRET_FILE).read_bytes()
-        pk = page_keys(TenantTable([Tenant("default")], secret).storage_key("default", key), 1)[0]
+        return page_keys(TenantTable([Tenant("default")], secret).storage_key("default", key), most)
+
+    def slab_entries(self, slab: Path) -> dict[bytes, tuple[int, int]]:
+        """Page key -> (payload offset, length) of each entry in ``slab``'s table ({} if unreadable)."""
+        from kvport.tiers.disk import _ENTRY, HEAD_BYTES
+
+        try:
+            with slab.open("rb") as f:
+                head = f.read(HEAD_BYTES)
+                m = int.from_bytes(head[8:12], "little")
+                table = f.read(_ENTRY.size * min(m, 1 << 16))
+        except OSError:
+            return {}
+        out: dict[bytes, tuple[int, int]] = {}
+        for j in range(len(table) // _ENTRY.size):
+            pk, off, length, _, _ = _ENTRY.unpack_from(table, j * _ENTRY.size)
+            out[pk] = (off, length)
+        return out
+
+    def slab_of(self, key: bytes) -> Path | None:
+        """The slab file holding ``key``'s (first) page on the server's disk, or None."""
+        pk = self.pages_of(key, 1)[0]
         for slab in (self.disk / "blocks").glob("*.kvs"):
-            try:
-                with slab.open("rb") as f:
-                    head = f.read(HEAD_BYTES + _ENTRY.size * 64)
-            except OSError:
-                continue
-            m = int.from_bytes(head[8:12], "little")
-            for j in range(min(m, 64)):
-                if _ENTRY.unpack_from(head, HEAD_BYTES + j * _ENTRY.size)[0] == pk:
-                    return slab
+            if pk in self.slab_entries(slab):
+                return slab
         return None
+
+    def in_range(self, keys: list[bytes], slab: Path, entries: dict[bytes, tuple[int, int]],
+                 start: int, end: int) -> set[bytes]:
+        """Of ``keys``, those with a page whose payload in ``slab`` (``entries``: its table, read before
+        any damage) overlaps bytes ``[start, end)``: what a fault to those bytes destroys."""
+        hit: set[bytes] = set()
+        for k in keys:
+            for pk in self.pages_of(k):
+                loc = entries.get(pk)
+                if loc is not None and loc[0] < end and start < loc[0] + loc[1]:
+                    hit.add(k)
+                    break
+        return hit
 
     def stack_of(self, pid: int) -> str:
         """Where a process waits (py-spy, when installed), for a hung request's report."""

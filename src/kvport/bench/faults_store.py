@@ -7,7 +7,8 @@ there. ``inj.lost`` counts committed blocks gone or wrong, by each class's rule:
 * ``kill_server``   blocks on the server's disk before the turn, missing or unreadable after the
                     SIGKILL and a restart on the same folder (host-only blocks are not durable)
 * ``disk_*``        the chat's blocks before the damaged one (its ancestors, the system prompt's
-                    among them) missing or unreadable afterwards
+                    among them) missing or unreadable afterwards, except those whose own bytes the
+                    fault destroyed (a page in the cut half or the deleted file: counted apart)
 * ``server_stall``  turn 1's blocks present before the stall and missing after it
 * ``disk_full``     turn 1's blocks (pinned before the disk filled) missing after, or a block the
                     server still lists that does not read back
@@ -115,11 +116,16 @@ class RedisRestart(FaultClass):
 
 class _DiskDamage(FaultClass):
     """Between turn 1's save and turn 2's load, one of the chat's blocks (a random one past the system
-    prompt, pushed down to the server's disk) has its slab file damaged."""
+    prompt, pushed down to the server's disk) has its slab file damaged. A slab holds the pages one
+    demotion wrote, so an ancestor (a system prompt block promoted by a hit and demoted again beside
+    the chat's) can share the damaged file: one whose own bytes the fault destroyed is reported in
+    ``details.ancestors_destroyed_by_the_fault``, not as lost; every other ancestor must survive."""
 
     turns = 2
 
-    def damage(self, slab: Path) -> None:
+    def damage(self, slab: Path, target: tuple[int, int]) -> tuple[int, int]:
+        """Damage ``slab`` (``target``: the target page's payload offset and length); returns the
+        byte range ``[start, end)`` of the file the damage destroyed."""
         raise NotImplementedError
 
     def before(self, env: Env, inj: Injection) -> None:
@@ -139,10 +145,14 @@ class _DiskDamage(FaultClass):
         if slab is None:
             inj.detail = "no slab file holds the target block"
             return
+        entries = env.slab_entries(slab)
         anc = keys[: keys.index(target)]
-        self.damage(slab)
+        anc = [k for k, p in zip(anc, env.present(anc), strict=True) if p]
+        start, end = self.damage(slab, entries[env.pages_of(target, 1)[0]])
         inj.applied = True
-        inj.data["ancestors"] = [k for k, p in zip(anc, env.present(anc), strict=True) if p]
+        destroyed = env.in_range(anc, slab, entries, start, end)
+        self.count("ancestors_destroyed_by_the_fault", len(destroyed))
+        inj.data["ancestors"] = [k for k in anc if k not in destroyed]
 
     def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
         inj.lost = _lost(env, inj.data.get("ancestors", []))
@@ -153,28 +163,33 @@ class _DiskDamage(FaultClass):
 class DiskCorrupt(_DiskDamage):
     name = "disk_corrupt"
 
-    def damage(self, slab: Path) -> None:
-        size = slab.stat().st_size
-        with slab.open("r+b") as f:  # past the header and entry table: a payload byte
-            at = self.rng.randrange(min(size - 1, 64 + 48), size)
+    def damage(self, slab: Path, target: tuple[int, int]) -> tuple[int, int]:
+        off, length = target
+        with slab.open("r+b") as f:  # one byte of the target's own payload
+            at = self.rng.randrange(off, off + length)
             f.seek(at)
             b = f.read(1)
             f.seek(at)
             f.write(bytes([b[0] ^ 0xFF]))
+        return at, at + 1
 
 
 class DiskTruncate(_DiskDamage):
     name = "disk_truncate"
 
-    def damage(self, slab: Path) -> None:
-        os.truncate(slab, slab.stat().st_size // 2)
+    def damage(self, slab: Path, target: tuple[int, int]) -> tuple[int, int]:
+        size = slab.stat().st_size
+        cut = min(size // 2, target[0] + target[1] // 2)  # the target's page is always cut
+        os.truncate(slab, cut)
+        return cut, size
 
 
 class DiskMissing(_DiskDamage):
     name = "disk_missing"
 
-    def damage(self, slab: Path) -> None:
+    def damage(self, slab: Path, target: tuple[int, int]) -> tuple[int, int]:
         slab.unlink()
+        return 0, 1 << 62
 
 
 class ServerStall(FaultClass):

@@ -55,6 +55,7 @@ from kvport.transfer.tcp import TcpListener
 
 T = TypeVar("T")
 _STEP_S = 0.1  # a receive waits in steps this long, watching for its request's deadline
+_REDIAL_GRACE_S = 0.5  # how long a receive waits for a new link after its link ended
 
 
 class DecodeWorker:
@@ -124,10 +125,7 @@ class DecodeWorker:
                 raise DeadlineExceeded("the prefill worker did not connect before the load's deadline")
             if time.monotonic() - t0 > 60:
                 raise ProtocolError("the prefill worker never connected")
-        rx = self.receiver
-        if rx is None:
-            raise ProtocolError("the prefill worker never connected")
-        inc = self._step(cancel, None, lambda: rx.next_transfer(timeout=_STEP_S))
+        rx, inc = self._next_transfer(cancel)
         try:
             meta = inc.meta
             if meta.request_id != rid:
@@ -147,6 +145,28 @@ class DecodeWorker:
             rx.abandon(inc, "the decode worker gave up on this transfer")
             raise
         return dynamic_cache(self.eng.model.config, layers), meta.total_bytes, meta.block_keys
+
+    def _next_transfer(self, cancel: threading.Event) -> tuple[Receiver, Incoming]:
+        """The next transfer on the current link. A link that the prefill worker replaced (it dialed
+        again) is left for the new one, also while waiting: the request's KV comes on the new link.
+        A link that ended without a replacement (within a short grace: the new dial may still be on
+        its way) fails the receive, and the request recomputes."""
+        ended_at: float | None = None
+        while True:
+            if cancel.is_set():
+                raise DeadlineExceeded("the load's deadline passed before the KV arrived")
+            rx = self.receiver
+            if rx is None:
+                raise ProtocolError("the prefill worker never connected")
+            try:
+                return rx, rx.next_transfer(timeout=_STEP_S)
+            except PeerError:
+                if not rx.closed.is_set() or self.receiver is not rx:
+                    ended_at = None
+                    continue
+                ended_at = time.monotonic() if ended_at is None else ended_at
+                if time.monotonic() - ended_at > _REDIAL_GRACE_S:
+                    raise
 
     def _step(self, cancel: threading.Event, inc: Incoming | None, wait: Callable[[], T]) -> T:
         """``wait()`` (which times out after ``_STEP_S`` with PeerError) until it succeeds, or until

@@ -47,7 +47,7 @@ from kvport.demo import messages
 from kvport.demo.calibrate import quick_profile
 from kvport.demo.quiet import quiet_transformers
 from kvport.engines.hf import HFEngine, StoreBlocks
-from kvport.errors import KVPortError, PeerError
+from kvport.errors import DeadlineExceeded, KVPortError, PeerError
 from kvport.keys import chain_keys
 from kvport.ledger import Ledger, Move, Owner
 from kvport.planner import Action, Cached, Load, Planner, Request
@@ -84,6 +84,7 @@ class PrefillWorker:
         self.planner = Planner(quick_profile(self.eng, self.shared), machine=machine_id())
         self.sender: Sender | None = None
         self._link: tuple[int, str] | None = None  # the decode worker's port and owner name
+        self._redial = False  # the last transfer ran past its deadline: the link is suspect
         self._layers: queue.Queue[int | None] = queue.Queue()
         self._active: tuple[int, int] | None = None  # (first new block, prompt tokens) while a prefill runs
         self._cache: Any = None
@@ -102,12 +103,13 @@ class PrefillWorker:
         return after_layer
 
     def connect(self, port: int, peer: str) -> None:
-        if self.sender is not None:
-            self.sender.close()
         self._link = (port, peer)
         # no socket timeout: the link idles between requests; each transfer has its deadline
-        self.sender = Sender(connect("127.0.0.1", port, timeout_s=None), Backpressure(), credit_timeout_s=60.0,
-                             ledger=self.kv_ledger, owner=self.owner, peer=Owner.engine(peer))
+        new = Sender(connect("127.0.0.1", port, timeout_s=None), Backpressure(), credit_timeout_s=60.0,
+                     ledger=self.kv_ledger, owner=self.owner, peer=Owner.engine(peer))
+        old, self.sender = self.sender, new
+        if old is not None:  # after the new link is up: the decode worker moves over to it
+            old.close()
 
     # ------------------------------------------------------------------ one request
     def _connected(self) -> Sender:
@@ -125,6 +127,13 @@ class PrefillWorker:
 
     def _admit(self) -> int:
         rejections = 0
+        if self._redial and self._link is not None:
+            # a transfer that ran past its deadline leaves the link in a state no one can vouch for
+            # (credits the peer never returned for a frame it never got, a connection stuck in
+            # retransmission after a partition): the next request starts on a fresh one
+            self._redial = False
+            with contextlib.suppress(KVPortError):
+                self.connect(*self._link)
         sender = self._connected()
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline:
@@ -249,6 +258,7 @@ class PrefillWorker:
                     errors.append(exc)
                 if not h.done:
                     sender.abort(h, str(exc))
+        self._redial = any(isinstance(e, DeadlineExceeded) for e in errors)
         done_s = time.perf_counter() - t0
         handed = 0
         if committed and h is not None and h.ledger_tid:

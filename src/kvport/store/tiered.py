@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -43,6 +44,7 @@ from kvport.errors import (
     CorruptBlockError,
     DeadlineExceeded,
     IllegalMoveError,
+    KVPortError,
     QuotaExceededError,
     TierError,
     TierFullError,
@@ -58,6 +60,8 @@ from kvport.store.index import TierIndex
 from kvport.store.lifetime import LifetimePolicy
 from kvport.store.types import LookupResult, StoreStats, TierPolicy, WriteMode
 from kvport.tiers.base import BlockMeta, Buffer, Tier, byte_view
+
+log = logging.getLogger(__name__)
 
 _HITS = counter("store_hits_total", "Blocks found by lookup/get, by tier", ["tier"])
 _MISSES = counter("store_misses_total", "Blocks looked up and not found")
@@ -168,15 +172,18 @@ class TieredStore:
             self.expire()
             tiers: list[str] = []
             sizes: list[int] = []
+            asked = len(ks)  # keys from here on were just confirmed by the shared tiers
             for i, k in enumerate(ks):
                 where = self._where(k)
                 if where is None and self._probe_shared(ks, i):
+                    asked = min(asked, i)
                     where = self._where(k)
                 if where is None:
                     break
                 tiers.append(where)
                 sizes.append(self._meta[k].size)
-            n = len(tiers)
+            n = self._confirm_shared(ks, tiers, min(asked, len(tiers)))
+            del tiers[n:], sizes[n:]
             for k, name in zip(reversed(ks[:n]), reversed(tiers), strict=True):
                 self._touch(k, name)
             for name in tiers:
@@ -191,6 +198,29 @@ class TieredStore:
             if key in self._idx[name] and self._health.healthy(self.tiers[name]):
                 return name
         return None
+
+    def _confirm_shared(self, keys: tuple[bytes, ...], tiers: list[str], upto: int) -> int:
+        """How many of the found prefix still stand: a block found (among the first ``upto``) in a
+        shared tier's index only is asked for there, since another process may have evicted or
+        deleted it, or a load found it damaged; the first one gone there is forgotten here with its
+        descendants (not deleted there: it is not there) and the prefix ends before it."""
+        cut = len(tiers)
+        for name in dict.fromkeys(tiers[:upto]):
+            t = self.tiers[name]
+            if not t.caps.shared:
+                continue
+            idx = [i for i in range(upto) if tiers[i] == name]
+            try:
+                have = t.contains_many([keys[i] for i in idx])
+            except TierUnavailableError:
+                self._health.mark_broken(t)
+                cut = min(cut, idx[0])
+                continue
+            gone = next((i for i, ok in zip(idx, have, strict=True) if not ok), None)
+            if gone is not None:
+                cut = min(cut, gone)
+                self._drop(keys[gone], gone_from=name)
+        return cut
 
     def _probe_shared(self, keys: tuple[bytes, ...], start: int) -> bool:
         """Ask healthy shared tiers (other processes write there) about ``keys[start:]``; adopt hits."""
@@ -270,7 +300,8 @@ class TieredStore:
                 if placed is None:
                     del self._meta[key]
             if placed is None:
-                raise TierFullError(f"no tier of {allowed} could take block {key.hex()}") from last_exc
+                raise TierFullError(f"no tier of {allowed} could take block {key.hex()}"
+                                    + (f": {last_exc}" if last_exc is not None else "")) from last_exc
             self._admitted(key, m, owner, origin)
             return placed
 
@@ -949,6 +980,8 @@ class TieredStore:
             self.tiers[name].delete(key)
         except TierUnavailableError:
             self._health.mark_broken(self.tiers[name])
+        except KVPortError as exc:  # a peer past the caller's deadline: the index is what counts here
+            log.info("store: delete of %s from %s failed: %s", key.hex(), name, exc)
 
     def _try_drop(self, key: bytes) -> bool:
         """Drop ``key`` and its cached descendants, unless any of them is pinned, leased or busy."""
@@ -963,17 +996,23 @@ class TieredStore:
         self._drop(key)
         return True
 
-    def _drop(self, key: bytes) -> None:
-        """Remove ``key`` from every tier and the ledger; its cached descendants go with it."""
+    def _drop(self, key: bytes, gone_from: str | None = None) -> None:
+        """Remove ``key`` from every tier and the ledger; its cached descendants go with it.
+        ``gone_from``: a tier known not to hold ``key`` or its descendants any more (only the index
+        entries go there: a shared tier may hold the key again, written by another process)."""
         m = self._meta.pop(key, None)
         if m is None:
             return
         for c in list(m.children):
             if c in self._meta:
-                self._drop(c)
+                self._drop(c, gone_from)
         for name in self.names:
             if key in self._idx[name]:
-                self._forget_in(name, key)
+                if name == gone_from:
+                    self._idx[name].remove(key, evicted=True)
+                    _USED.labels(name).set(self._idx[name].used)
+                else:
+                    self._forget_in(name, key)
         if m.parent is not None and m.parent in self._meta:
             self._meta[m.parent].children.discard(key)
         if m.account is not None:

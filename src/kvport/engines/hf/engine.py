@@ -40,6 +40,7 @@ import torch
 
 from kvport import metrics
 from kvport.deadline import Deadline, DeadlinePolicy
+from kvport.deadline import current as current_deadline
 from kvport.engines.hf.layout import BlockLayout, cache_layers
 from kvport.engines.hf.port import BlockStore, Lifetime
 from kvport.errors import EngineError, KVPortError
@@ -256,6 +257,12 @@ class HFEngine:
         layers = cache_layers(cache)
         held = min(len(tokens), int(layers[0][0].shape[2]))
         keys = self.keys(tokens[:held])
+        if 0 < skip_blocks <= len(keys):
+            # the blocks a lookup found may have left since (evicted, found damaged by the load that
+            # fell back, deleted): the save starts at the first one the store no longer holds, so the
+            # chain stays whole instead of being refused for a missing parent
+            skip_blocks = min(skip_blocks, self.store.longest_prefix(keys[:skip_blocks],
+                                                                     deadline=current_deadline()))
         n_new = len(keys) - skip_blocks
         if n_new <= 0:
             return 0

@@ -7,8 +7,9 @@ there. ``inj.lost`` counts committed blocks gone or wrong, by each class's rule:
 * ``kill_server``   blocks on the server's disk before the turn, missing or unreadable after the
                     SIGKILL and a restart on the same folder (host-only blocks are not durable)
 * ``disk_*``        the chat's blocks before the damaged one (its ancestors, the system prompt's
-                    among them) missing or unreadable afterwards, except those whose own bytes the
-                    fault destroyed (a page in the cut half or the deleted file: counted apart)
+                    among them; pinned before the damage, so that the pool's eviction cannot take
+                    them) missing or unreadable afterwards, except those whose own bytes the fault
+                    destroyed (a page in the cut half or the deleted file: counted apart)
 * ``server_stall``  turn 1's blocks present before the stall and missing after it
 * ``disk_full``     turn 1's blocks (pinned before the disk filled) missing after, or a block the
                     server still lists that does not read back
@@ -148,6 +149,10 @@ class _DiskDamage(FaultClass):
         entries = env.slab_entries(slab)
         anc = keys[: keys.index(target)]
         anc = [k for k, p in zip(anc, env.present(anc), strict=True) if p]
+        # pinned (a client that must keep them): a long-running pool evicts unpinned blocks under
+        # pressure, as a cache may, and that is not the fault's loss
+        env.bench.pin(anc, "bench faults: ancestors of a damaged block", 600.0)
+        inj.data["pinned"] = anc
         start, end = self.damage(slab, entries[env.pages_of(target, 1)[0]])
         inj.applied = True
         destroyed = env.in_range(anc, slab, entries, start, end)
@@ -155,7 +160,12 @@ class _DiskDamage(FaultClass):
         inj.data["ancestors"] = [k for k in anc if k not in destroyed]
 
     def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
-        inj.lost = _lost(env, inj.data.get("ancestors", []))
+        anc: list[bytes] = inj.data.get("ancestors", [])
+        inj.lost = _lost(env, anc)
+        if inj.lost:
+            self.count("lost_missing", _missing(env, anc))
+        if inj.data.get("pinned"):
+            env.bench.unpin(inj.data["pinned"])
         if ans is not None and int(ans.prefill.get("loaded_tokens") or 0) == 0 and ans.prefill.get("fallback"):
             self.count("loads_refused")
 
@@ -253,7 +263,12 @@ class DiskFull(FaultClass):
         self.count("dropped_unpinned", len(held) - len(present))
         self.count("pinned_blocks", len(pinned))
         sample = self.rng.sample(present, min(16, len(present)))
-        inj.lost = _lost(env, pinned) + len(sample) - env.readable(sample)
+        lost_pinned, unreadable = _lost(env, pinned), len(sample) - env.readable(sample)
+        inj.lost = lost_pinned + unreadable
+        if inj.lost:
+            self.count("lost_pinned_missing", _missing(env, pinned))
+            self.count("lost_pinned", lost_pinned)
+            self.count("listed_but_unreadable", unreadable)
         if pinned:
             env.bench.unpin(pinned)
         if ans is not None and ans.decode.get("store_error"):

@@ -123,11 +123,25 @@ def test_a_receiver_without_a_ledger_is_not_a_peer() -> None:
 
 def test_a_second_owner_is_refused_at_begin() -> None:
     p = Pair()
-    p.theirs.register(p.keys[3], DECODE)
+    p.theirs.register(p.keys[3], Owner.engine("decode-2"))  # another owner on the receiving side
     with pytest.raises(IllegalMoveError, match="second owner"):
         p.tx.send(p.meta(), p.views)
     assert p.mine_unchanged()
     assert len(p.theirs) == 1 and p.theirs.knows(p.keys[3]) and not p.dst.any()
+    p.close()
+
+
+def test_blocks_the_receiver_already_holds_stay_its_own_and_the_rest_are_acquired() -> None:
+    """Two requests of one engine share a prefix (the key names the bytes): a transfer that brings
+    a block the receiving engine already holds commits; that block keeps its record, the others are
+    acquired with the transfer id."""
+    p = Pair()
+    p.theirs.register(p.keys[3], DECODE)
+    p.tx.send(p.meta(), p.views)
+    assert all(p.theirs.owner_of(k) == DECODE for k in p.keys)
+    acquired = _moves(p.theirs, Move.ACQUIRE)
+    assert len(acquired) == N - 1 and p.keys[3] not in {k for k, *_ in acquired}
+    assert len(_moves(p.mine, Move.HANDED_OFF)) == N  # the sender gave every block up
     p.close()
 
 

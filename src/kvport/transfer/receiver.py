@@ -365,11 +365,21 @@ class Receiver:
             raise UnknownPeerError(f"{peer} is not a known peer of this receiver's ledger")
         if not begin.ledger_tid:
             raise ProtocolError(f"TRANSFER_BEGIN {begin.tid} from {peer} names no ledger_tid")
-        owned = [k for k in begin.transfer.block_keys if self.ledger.knows(k)]  # once per transfer
+        # once per transfer: a block someone else owns here is refused; one this receiver's owner
+        # already holds (a prefix two requests share: the key names the bytes) stays as it is
+        owned = [k for k in begin.transfer.block_keys if self.ledger.knows(k) and not self._held(k)]
         if owned:
             raise IllegalMoveError(f"{len(owned)} of the blocks already have an owner here "
                                    f"(first {owned[0].hex()}): a transfer does not make a second owner")
         return peer
+
+    def _held(self, key: bytes) -> bool:
+        """``key`` is already this receiver's owner's (a ledger record of it, by this owner)."""
+        assert self.ledger is not None
+        try:
+            return self.ledger.owner_of(key) == self.owner
+        except OwnershipError:
+            return False
 
     def _on_begin(self, begin: TransferBegin) -> None:
         tid, meta = begin.tid, begin.transfer
@@ -491,10 +501,12 @@ class Receiver:
             missing = int(cur._verified.size - cur._n_verified)
             self._abort(cur, ProtocolError(f"transfer {cur.tid} ended with {missing} block-layers never verified"))
             return
-        keys = cur.meta.block_keys
+        keys: tuple[bytes, ...] = ()  # acquired now: those this owner does not hold already
         if self.ledger is not None and self.owner is not None and cur.peer is not None:
-            try:  # all or nothing: a key owned here meanwhile is a second owner, nothing changes
-                self.ledger.acquire(keys, self.owner, cur.peer, cur.ledger_tid)
+            keys = tuple(k for k in cur.meta.block_keys if not (self.ledger.knows(k) and self._held(k)))
+            try:  # all or nothing: a key another owner took meanwhile is a second owner, nothing changes
+                if keys:
+                    self.ledger.acquire(keys, self.owner, cur.peer, cur.ledger_tid)
             except OwnershipError as exc:
                 self._abort(cur, exc)
                 return

@@ -255,6 +255,13 @@ def parse(value: Any) -> Envelope:
     bad_layer = (man["layer"] >= layers) & (man["layer"] != ALL_LAYERS)
     if bool(np.any(bad_layer)) or bool(np.any((man["head_lo"] != lo) | (man["head_hi"] != hi))):
         raise CorruptPayloadError("envelope part outside the block's layers or head range")
+    kinds, subs = man["kind"], man["sub"]
+    whole = (kinds == int(PartKind.META)) | (kinds == int(PartKind.SECTION))
+    numbered = (kinds == int(PartKind.SECTION)) | (kinds == int(PartKind.EXTRA))
+    sections = subs[kinds == int(PartKind.SECTION)]
+    if bool(np.any(man["layer"][whole] != ALL_LAYERS)) or bool(np.any(subs[~numbered] != 0)) \
+            or not np.array_equal(sections, np.arange(sections.size)):
+        raise CorruptPayloadError("envelope part with a layer or index its kind does not have")
     ident = Identity(_LAYOUT_OF[lay], tp_size, tp_rank, lo, hi, _DTYPE_OF[dt], bool(flags & _LATENT), layers,
                      tokens, dim, bytes(fp))
     parts = tuple(Part(PartKind(int(e["kind"])), int(e["layer"]), int(e["offset"]), int(e["length"]), int(e["sub"]))

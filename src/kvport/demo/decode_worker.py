@@ -85,6 +85,7 @@ class DecodeWorker:
         self._save_bps: float | None = None  # the shared tier's write speed, as saves observed it
         self._rx = ThreadPoolExecutor(1, thread_name_prefix="decode-rx")
         self._pending: dict[str, tuple[float, threading.Event, Future[tuple[Any, int, tuple[bytes, ...]]]]] = {}
+        self._early: dict[str, tuple[Receiver, Incoming]] = {}  # transfers that came before their receive
         threading.Thread(target=self._accept, name="decode-accept", daemon=True).start()
 
     def _destination(self, meta: TransferMeta) -> BlockTableDestination:
@@ -125,7 +126,8 @@ class DecodeWorker:
                 raise DeadlineExceeded("the prefill worker did not connect before the load's deadline")
             if time.monotonic() - t0 > 60:
                 raise ProtocolError("the prefill worker never connected")
-        rx, inc = self._next_transfer(cancel)
+        early = self._early.pop(rid, None)
+        rx, inc = early if early is not None else self._next_transfer(rid, cancel)
         try:
             meta = inc.meta
             if meta.request_id != rid:
@@ -146,11 +148,13 @@ class DecodeWorker:
             raise
         return dynamic_cache(self.eng.model.config, layers), meta.total_bytes, meta.block_keys
 
-    def _next_transfer(self, cancel: threading.Event) -> tuple[Receiver, Incoming]:
+    def _next_transfer(self, rid: str, cancel: threading.Event) -> tuple[Receiver, Incoming]:
         """The next transfer on the current link. A link that the prefill worker replaced (it dialed
         again) is left for the new one, also while waiting: the request's KV comes on the new link.
         A link that ended without a replacement (within a short grace: the new dial may still be on
-        its way) fails the receive, and the request recomputes."""
+        its way) fails the receive, and the request recomputes. A transfer of another request this
+        worker expects (this request's own never came: its prefill could not send it) is kept for
+        that request's receive instead of being taken for this one's."""
         ended_at: float | None = None
         while True:
             if cancel.is_set():
@@ -159,7 +163,12 @@ class DecodeWorker:
             if rx is None:
                 raise ProtocolError("the prefill worker never connected")
             try:
-                return rx, rx.next_transfer(timeout=_STEP_S)
+                inc = rx.next_transfer(timeout=_STEP_S)
+                other = inc.meta.request_id
+                if other != rid and other in self._pending and other not in self._early:
+                    self._early[other] = (rx, inc)
+                    continue
+                return rx, inc
             except PeerError:
                 if not rx.closed.is_set() or self.receiver is not rx:
                     ended_at = None

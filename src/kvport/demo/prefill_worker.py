@@ -213,13 +213,12 @@ class PrefillWorker:
         errors: list[KVPortError] = []
         busy: list[float] = []
         h: Outgoing | None = None
-        # the hand-off has a deadline too (the planner's prefill and the stream's bytes over the
-        # link, scaled and bounded): a decode worker that stops reading, a frame lost on the way or a
-        # cut link end the transfer there (aborted; the decode worker recomputes), not in a hang
-        # (None when the planner cannot vouch for its prefill time: the policy's maximum)
-        expected = decision.choice.seconds
-        handoff = self.deadlines.for_expected(
-            None if expected is None else expected + self._link_expected_s(n * self.spec.bytes_per_block))
+        # the hand-off has a deadline too, the policy's maximum: a decode worker that stops reading,
+        # a frame lost on the way or a cut link end the transfer there (aborted; the decode worker
+        # recomputes), not in a hang. Not the planner's prefill and link time, scaled: a decode
+        # worker still decoding the previous turn holds its credits for a while by design
+        # (pipelining), and its own load deadline already bounds what the request waits for
+        handoff = self.deadlines.for_expected(None)
         try:
             h = sender.begin(TransferMeta(self.spec, rid, tuple(keys)), deadline=handoff)
         except KVPortError as exc:

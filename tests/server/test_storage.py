@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvport.errors import QuotaExceededError, TierFullError
+from kvport.errors import BlockNotFoundError, QuotaExceededError, TierFullError
 from kvport.ledger import Owner
 from kvport.lifetime import Lifetime
 from kvport.server.storage import DISK, HOST, open_storage
@@ -153,3 +153,78 @@ def test_a_child_whose_parent_did_not_survive_is_dropped_at_restart(tmp_path: Pa
     assert k(1) not in s2 and s2.orphans_dropped == 1
     for t in s2.tiers.values():
         t.close()
+
+
+def _close(s: TieredStore) -> None:
+    for t in s.tiers.values():
+        t.close()
+
+
+def test_a_graceful_shutdown_finds_room_on_a_full_disk_for_every_host_block(tmp_path: Path) -> None:
+    """A hot parent (a system prompt hit by every request) stays on host while its children go down
+    until the disk is full. The disk keeps room for the host pool that eviction does not use, so
+    the shutdown's spill moves every host block down and the restart finds every block (before,
+    the parent found no room, stayed, died with the process, and the restart dropped its children)."""
+    s = storage(tmp_path, host_pages=4, disk_bytes=16 * PAGE)
+    put(s, 0)
+    for i in range(1, 40):
+        put(s, i, parent=0)
+        s.lookup([k(0)])  # the shared prefix: always the most recent
+    assert s.where(k(0)) == (HOST,)
+    before = {key: s.where(key) for key in s.blocks()}
+    assert sum(1 for w in before.values() if w == (DISK,)) >= 8  # the disk filled up to what eviction may use
+    moved, stayed = s.spill(HOST)
+    assert stayed == 0 and moved == sum(1 for w in before.values() if w == (HOST,))
+    assert all(s.where(key) == (DISK,) for key in before)  # the spill evicted nothing below
+    _close(s)
+    s2 = storage(tmp_path, host_pages=4, disk_bytes=16 * PAGE)
+    assert s2.orphans_dropped == 0 and sorted(s2.blocks()) == sorted(before)
+    _close(s2)
+
+
+def test_with_too_little_room_the_spill_moves_the_parents_of_disk_blocks_first(tmp_path: Path) -> None:
+    """No reserve, one free page on disk, two host blocks: the parent of blocks already on disk goes
+    down (it keeps them reachable), not the newest block (the order of a spill otherwise)."""
+    def open_(reserve: bool) -> TieredStore:
+        return open_storage(2 * PAGE, PAGE, tmp_path, 4 * PAGE, {}, 16 * PAGE, spill_reserve=reserve)
+
+    s = open_(False)
+    put(s, 0)
+    for i in (1, 2, 3):
+        put(s, i, parent=0)
+        s.lookup([k(0)])
+    put(s, 9)  # the newest host block, unrelated
+    assert s.where(k(0)) == (HOST,) and s.where(k(9)) == (HOST,)
+    on_disk = [key for key in s.blocks() if s.where(key) == (DISK,)]
+    assert on_disk and all(s.parent_of(key) == k(0) for key in on_disk)
+    free_pages = (s.tiers[DISK].capacity_bytes - s.tiers[DISK].used_bytes) // PAGE
+    assert free_pages == 1
+    assert s.spill(HOST) == (1, 1)
+    assert s.where(k(0)) == (DISK,) and s.where(k(9)) == (HOST,)
+    _close(s)
+    s2 = open_(False)
+    assert s2.orphans_dropped == 0 and all(key in s2 for key in [k(0), *on_disk])
+    _close(s2)
+
+
+def test_a_block_whose_bytes_are_lost_takes_only_unheld_descendants_with_it(tmp_path: Path) -> None:
+    """Block 0's bytes vanish (a damaged disk file). Its descendants go with it, except a chain that
+    leads to a pinned block: those bytes are intact and a client holds them. When 0 is stored again
+    (an engine recomputed it), the kept chain hangs under it again."""
+    s = storage(tmp_path, host_pages=8, disk_bytes=32 * PAGE)
+    put(s, 0)
+    for i, parent in ((1, 0), (2, 1), (3, 2), (5, 0), (6, 5)):
+        put(s, i, parent=parent)
+    s.ledger.pin(k(2), CLIENT, "a client keeps it", ttl_s=60)
+    assert s.spill(HOST)[1] == 0
+    s.tiers[DISK].delete(k(0))  # the bytes are gone; the store does not know yet
+    with pytest.raises(BlockNotFoundError):
+        s.get_into(k(0), bytearray(PAGE))
+    assert k(0) not in s and k(5) not in s and k(6) not in s  # nobody held these
+    assert all(k(i) in s for i in (1, 2, 3))  # the path to the pinned block and below it
+    out = bytearray(PAGE)
+    assert s.get_into(k(2), out) == PAGE and out == val(2)
+    put(s, 0)  # recomputed and saved again
+    assert s.children_of(k(0)) == 1 and s.parent_of(k(1)) == k(0)
+    assert s.lookup([k(i) for i in range(4)]).prefix_blocks == 4
+    _close(s)

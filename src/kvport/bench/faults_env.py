@@ -76,6 +76,7 @@ class Env:
         self._pool_exec = ThreadPoolExecutor(1, thread_name_prefix="faults-request")
         stack.callback(self._pool_exec.shutdown, wait=False, cancel_futures=True)
         self.setup: Setup | None = None
+        self.unreadable_why: list[str] = []
         self.link: Link | None = None
         self.netns: Netns | None = None
         self.redis: RedisProc | None = None
@@ -195,11 +196,15 @@ class Env:
         return self.bench.contains_many(keys) if keys else []
 
     def readable(self, keys: list[bytes]) -> int:
+        """How many of ``keys`` read back (their chunks verified against the checksums taken at PUT);
+        why the others did not is kept in :attr:`unreadable_why` (the last few, for the report)."""
         buf = bytearray(4 * MiB)
         ok = 0
         for k in keys:
-            with contextlib.suppress(KVPortError):
+            try:
                 ok += int(self.bench.get_into(k, buf) > 0)
+            except KVPortError as exc:
+                self.unreadable_why = [*self.unreadable_why[-4:], f"{k.hex()}: {type(exc).__name__}: {exc}"[:300]]
         return ok
 
     def blocks_of(self, keys: list[bytes]) -> dict[bytes, tuple[tuple[str, ...], bytes | None]]:

@@ -158,8 +158,12 @@ class _DiskDamage(FaultClass):
         destroyed = env.in_range(anc, slab, entries, start, end)
         self.count("ancestors_destroyed_by_the_fault", len(destroyed))
         inj.data["ancestors"] = [k for k in anc if k not in destroyed]
+        inj.data["destroyed"] = [target, *destroyed]
 
     def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+        # the server finds the damage now if the turn did not read those blocks (a load that ended
+        # before them): a later injection must not pin, as an intact ancestor, a block this one destroyed
+        env.readable(inj.data.get("destroyed", []))
         anc: list[bytes] = inj.data.get("ancestors", [])
         inj.lost = _lost(env, anc)
         if inj.lost:
@@ -269,6 +273,8 @@ class DiskFull(FaultClass):
             self.count("lost_pinned_missing", _missing(env, pinned))
             self.count("lost_pinned", lost_pinned)
             self.count("listed_but_unreadable", unreadable)
+            if unreadable:
+                self.details["unreadable_why"] = env.unreadable_why[-3:]
         if pinned:
             env.bench.unpin(pinned)
         if ans is not None and ans.decode.get("store_error"):

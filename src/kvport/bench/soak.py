@@ -22,6 +22,9 @@ Fields (``results``):
   transfer (each frees what it handed off or received)
 * ``peak_memory_vs_capacity``: the server's peak RSS (sampled every 50 ms) over ``--capacity``
 * ``ops_per_second``: acknowledged client operations per second, all clients
+* ``restart``: the server's own account of its restart (its log): host blocks spilled to disk at
+  SIGTERM and those that found no room, blocks recovered from disk, blocks dropped at the start
+  because their parent was gone
 
 ``limits.raw_socket_gbps`` (a loopback socket measured in the same run) is recorded for context:
 the soak is about correctness under faults, not speed.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -64,8 +68,9 @@ class _Client:
 
 
 class _Server:
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], log: Path) -> None:
         self.args = args
+        self.log = log
         self.proc: subprocess.Popen[str] | None = None
         self.port = 0
         self.peak_rss = 0
@@ -73,9 +78,10 @@ class _Server:
         self._sampler: threading.Thread | None = None
 
     def start(self) -> int:
-        env = subprocess_env({"KVPORT_LOG_LEVEL": "ERROR"})
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvport.cli.serve_cmd", *self.args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        env = subprocess_env({"KVPORT_LOG_LEVEL": "INFO"})  # the spill and recovery lines (:func:`_restart_log`)
+        with self.log.open("a") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvport.cli.serve_cmd", *self.args],
+                                         stdout=subprocess.PIPE, stderr=err, text=True, env=env)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line:
             raise ServerError(f"soak server did not start (rc={self.proc.wait(10)})")
@@ -123,6 +129,24 @@ def _spawn(c: _Client, port: int, folder: Path, seed: int) -> None:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=subprocess_env({"KVPORT_LOG_LEVEL": "ERROR"}))
 
 
+def _restart_log(path: Path) -> dict[str, int | None]:
+    """What the server's log says of its restart: host blocks spilled to disk at SIGTERM (and those
+    that stayed for want of room), blocks recovered from disk, blocks dropped because their parent
+    was gone."""
+    out: dict[str, int | None] = {"spilled": None, "not_spilled": None, "recovered": None, "dropped_parent_gone": None}
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return out
+    spills = re.findall(r"spilled (\d+) host blocks to disk \((\d+) stayed", text)
+    recs = re.findall(r"recovered (\d+) blocks from disk \((\d+) dropped", text)
+    if spills:
+        out["spilled"], out["not_spilled"] = int(spills[0][0]), int(spills[0][1])
+    if len(recs) > 1:  # the first is the start on an empty folder
+        out["recovered"], out["dropped_parent_gone"] = int(recs[1][0]), int(recs[1][1])
+    return out
+
+
 def _read(path: Path) -> dict[str, Any]:
     try:
         out: dict[str, Any] = json.loads(path.read_text())
@@ -158,7 +182,7 @@ def run(opts: SuiteOptions) -> Report:
         (folder / "epoch").write_text("1")
         args = ["--listen", "127.0.0.1:0", "--capacity", str(capacity), "--disk", str(folder / "disk"),
                 "--disk-capacity", str(disk_capacity), "--max-value", "8MiB", "--inflight", "64MiB"]
-        srv = _Server(args)
+        srv = _Server(args, folder / "server.log")
         port = srv.start()
         srv.args = [*args[:1], f"127.0.0.1:{port}", *args[2:]]  # a restart listens on the same port
         clients = [_Client(r) for r in ROLES]
@@ -227,6 +251,7 @@ def run(opts: SuiteOptions) -> Report:
         finally:
             pool.close()
         server_exit.append(srv.stop(signal.SIGTERM))
+        restart_log = _restart_log(folder / "server.log")
         totals: dict[str, int] = {}
         for c in clients:
             for f in c.stats_files:
@@ -255,5 +280,6 @@ def run(opts: SuiteOptions) -> Report:
         "server_exit_codes": server_exit,
         "blocks_at_end": None if stats is None else sum(t.blocks for t in (stats.server.tiers if stats.server else ())),
         "elapsed_s": round(elapsed, 1),
+        "restart": restart_log,
     }
     return finish(Report("soak", cond, limits, results))

@@ -6,7 +6,10 @@
       +- "host"  PagedTier(HostTier pool)              values received straight into pool pages
       +- "disk"  PagedTier(DiskTier, journal=folder)   values as one slab each; the journal records
                                                        (key, length, BlockMeta) so a restart finds
-                                                       every block with its parent, lifetime, tenant
+                                                       every block with its parent, lifetime, tenant;
+                                                       eviction leaves room for the host pool (up to
+                                                       half the disk): a graceful shutdown moves
+                                                       every host block down, parents first
 
 Placement, eviction (prefix-aware: a block never outlives its parent), demotion, lifetimes and TTLs
 are the store's; ownership, leases and pins are the ledger's (a PUT hands the block to the pool,
@@ -18,6 +21,7 @@ on PUT, resent on GET instead of hashing the value again).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +36,8 @@ from kvport.store import LifetimePolicy, TieredStore, TierPolicy
 from kvport.tiers.host import HostTier
 from kvport.tiers.journal import Journal
 from kvport.tiers.paged import PagedTier
+
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 _MIN_HOST_PAGES = 4
@@ -75,8 +81,14 @@ def host_pool_bytes(capacity_bytes: int, inflight_bytes: int, page_bytes: int) -
 
 
 def open_storage(host_bytes: int, page_bytes: int, disk_dir: Path | None, disk_capacity: int,
-                 quotas: dict[str, int], max_value_bytes: int, eviction: str = "lru") -> TieredStore:
-    """The server's store; a ``disk_dir`` another process holds is refused (ConfigError)."""
+                 quotas: dict[str, int], max_value_bytes: int, eviction: str = "lru",
+                 spill_reserve: bool = True) -> TieredStore:
+    """The server's store; a ``disk_dir`` another process holds is refused (ConfigError).
+
+    ``spill_reserve``: the disk keeps room for the host tier (up to half the disk) that eviction does
+    not use, so that a graceful shutdown moves every host block down (:meth:`TieredStore.spill`):
+    a host block that found no room would be lost, and with it the blocks below that descend from
+    it (a restart drops a block whose parent is gone)."""
     with _allocating(host_bytes, "--capacity"):
         pool = HostTier(host_bytes, page_bytes, pin=False, name="server-host")
     host = PagedTier(pool, page_bytes, name=HOST, max_value_bytes=max_value_bytes)
@@ -96,5 +108,15 @@ def open_storage(host_bytes: int, page_bytes: int, disk_dir: Path | None, disk_c
             raise ConfigError(f"--disk {disk_dir}: {exc}") from exc
         tiers.append(disk)
     exact = TierPolicy(high_watermark=1.0, low_watermark=1.0)
-    return TieredStore(tiers, Ledger(), LifetimePolicy(), eviction, tier_policies={HOST: exact, DISK: exact},
-                       quotas=quotas, keep_orphans=False)
+    reserve = min(host_bytes, disk_capacity // 2) if spill_reserve and disk_dir is not None else 0
+    if reserve < host_bytes and disk_dir is not None and spill_reserve:
+        log.warning("--disk-capacity %d is under twice the host pool (%d): a graceful shutdown may not find "
+                    "room on disk for every host block", disk_capacity, host_bytes)
+    below = 1.0 - reserve / disk_capacity if disk_capacity else 1.0
+    disk_policy = TierPolicy(high_watermark=below, low_watermark=below)
+    store = TieredStore(tiers, Ledger(), LifetimePolicy(), eviction, tier_policies={HOST: exact, DISK: disk_policy},
+                        quotas=quotas, keep_orphans=False)
+    if disk_dir is not None:
+        log.info("recovered %d blocks from disk (%d dropped: parent gone)", len(store),
+                 store.orphans_dropped)
+    return store

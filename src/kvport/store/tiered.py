@@ -158,6 +158,7 @@ class TieredStore:
         self._reserved: dict[bytes, Reserved] = {}
         self._in_flight_parents: dict[bytes, int] = {}  # parents of reserved blocks: not evictable meanwhile
         self.orphans_dropped = 0
+        self._orphans: dict[bytes, set[bytes]] = {}  # a lost block -> its children kept (held)
         if adopt_persistent:
             for t in tiers:
                 if t.caps.persistent and not t.caps.shared:
@@ -366,6 +367,9 @@ class TieredStore:
         account, and record its owner (the pool unless told otherwise) in the ledger."""
         if m.parent is not None and m.parent in self._meta:
             self._meta[m.parent].children.add(key)
+        kept = self._orphans.pop(key, None)  # children kept when this block's bytes were lost
+        if kept:
+            m.children.update(c for c in kept if c in self._meta and self._meta[c].parent == key)
         self._refresh_expiry(key, m)
         if m.account is not None:
             self._usage[m.account] = self._usage.get(m.account, 0) + m.charged
@@ -405,13 +409,15 @@ class TieredStore:
         """Write one block into tier ``name``, room made first by its eviction order. A tier of this
         store's own (not shared) that runs out of room before its accounting says so (a disk whose
         filesystem is full: ENOSPC) makes room the same way, its least valuable leaves first, until
-        the write fits or nothing more may leave (``evict_when_full=False``: it does not)."""
+        the write fits or nothing more may leave (``evict_when_full=False``: nothing is evicted for
+        it, neither to its watermark nor on ENOSPC)."""
         t = self.tiers[name]
         if not self._health.healthy(t):
             raise TierUnavailableError(f"{name} is marked broken")
         n = sum(p.nbytes for p in parts)
         charge = t.charge(n)
-        self._make_room(name, charge)
+        if evict_when_full:
+            self._make_room(name, charge)
         ttl = self._native_ttl(t, m)
         while True:
             try:
@@ -720,7 +726,7 @@ class TieredStore:
         Returns (moved, stayed)."""
         moved = stayed = 0
         with self._lock:
-            for k in self._idx[from_tier].keys()[::-1]:  # newest first
+            for k in self._spill_order(from_tier):
                 if k not in self._idx[from_tier] or k not in self._meta:
                     continue
                 target = self._lower_target(from_tier, k)
@@ -741,6 +747,28 @@ class TieredStore:
                 self._forget_in(from_tier, k)
                 moved += 1
         return moved, stayed
+
+    def _spill_order(self, from_tier: str) -> list[bytes]:
+        """``from_tier``'s blocks in the order :meth:`spill` moves them: first those a block of a lower
+        tier descends from, parents before children (one that stayed for want of room would leave
+        its descendants below without their parent, dropped at the next start), then the rest,
+        newest first."""
+        ix = self._idx[from_tier]
+        below = self.names[self.names.index(from_tier) + 1 :]
+        depth: dict[bytes, int] = {}
+        for name in below:
+            for k in self._idx[name]:
+                m = self._meta.get(k)
+                chain: list[bytes] = []
+                p = None if m is None else m.parent
+                while p is not None and p in ix and p not in depth and p in self._meta:
+                    chain.append(p)
+                    p = self._meta[p].parent
+                base = depth.get(p, -1) if p is not None else -1
+                for j, a in enumerate(reversed(chain)):  # the top of the chain first
+                    depth[a] = base + 1 + j
+        first = sorted(depth, key=depth.__getitem__)
+        return first + [k for k in ix.keys()[::-1] if k not in depth]
 
     # ------------------------------------------------------------------ metadata
     def size_of(self, key: bytes) -> int | None:
@@ -796,7 +824,7 @@ class TieredStore:
                 self._maybe_promote(key, name, data)
                 return n
             if key in self._meta and not any(key in ix for ix in self._idx.values()):
-                self._drop(key)
+                self._drop_unreadable(key)
             raise BlockNotFoundError(f"no working tier holds block {key.hex()}")
 
     def _maybe_promote(self, key: bytes, found_in: str, data: memoryview) -> None:
@@ -996,6 +1024,32 @@ class TieredStore:
         self._drop(key)
         return True
 
+    def _drop_unreadable(self, key: bytes) -> None:
+        """``key``'s bytes are gone from every tier (damaged, lost): drop it with its descendants,
+        except a descendant that is pinned, leased or being written, or has such a block below it:
+        its bytes are intact and somebody holds it. It stays linked to ``key`` (listed by
+        ``inspect --leaks`` as kept without its parent); when ``key`` is stored again (an engine
+        recomputes the prefix and saves it) the chain is whole again."""
+        m = self._meta.get(key)
+        if m is None:
+            return
+        now = self.clock()
+        for c in [c for c in m.children if c in self._meta and self._held_below(c, now)]:
+            m.children.discard(c)
+            self._orphans.setdefault(key, set()).add(c)
+        self._drop(key)
+
+    def _held_below(self, key: bytes, now: float) -> bool:
+        """``key`` or one of its descendants is pinned, leased or busy."""
+        stack = [key]
+        while stack:
+            k = stack.pop()
+            if k in self._busy or k in self._in_flight_parents or \
+                    (self.ledger.knows(k) and not self.ledger.is_evictable(k, now)):
+                return True
+            stack.extend(c for c in self._meta[k].children if c in self._meta)
+        return False
+
     def _drop(self, key: bytes, gone_from: str | None = None) -> None:
         """Remove ``key`` from every tier and the ledger; its cached descendants go with it.
         ``gone_from``: a tier known not to hold ``key`` or its descendants any more (only the index
@@ -1015,6 +1069,10 @@ class TieredStore:
                     self._forget_in(name, key)
         if m.parent is not None and m.parent in self._meta:
             self._meta[m.parent].children.discard(key)
+        elif m.parent is not None and m.parent in self._orphans:
+            self._orphans[m.parent].discard(key)
+            if not self._orphans[m.parent]:
+                del self._orphans[m.parent]
         if m.account is not None:
             self._usage[m.account] = self._usage.get(m.account, 0) - m.charged
             self._account_blocks[m.account] = self._account_blocks.get(m.account, 0) - 1

@@ -35,7 +35,8 @@ def parse_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
               help="memory budget of the whole server process")
 @click.option("--disk", "disk_dir", default=None, type=click.Path(file_okay=False), help="disk tier folder")
 @click.option("--disk-capacity", default=None, callback=as_size, metavar="SIZE",
-              help="disk tier size (default 4 x capacity)")
+              help="disk tier size (default 4 x capacity); eviction leaves room for the host pool (up to half) "
+                   "so that a graceful shutdown can move every host block down")
 @click.option("--page-size", default="1MiB", show_default=True, callback=as_size, metavar="SIZE",
               help="host page = wire chunk size")
 @click.option("--http-port", default=None, type=click.IntRange(0, 65535),

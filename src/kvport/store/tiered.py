@@ -764,7 +764,7 @@ class TieredStore:
                 while p is not None and p in ix and p not in depth and p in self._meta:
                     chain.append(p)
                     p = self._meta[p].parent
-                base = depth.get(p, -1) if p is not None else -1
+                base = -1 if p is None else depth.get(p, -1)
                 for j, a in enumerate(reversed(chain)):  # the top of the chain first
                     depth[a] = base + 1 + j
         first = sorted(depth, key=depth.__getitem__)
@@ -1013,14 +1013,8 @@ class TieredStore:
 
     def _try_drop(self, key: bytes) -> bool:
         """Drop ``key`` and its cached descendants, unless any of them is pinned, leased or busy."""
-        now = self.clock()
-        stack = [key]
-        while stack:
-            k = stack.pop()
-            if k in self._busy or k in self._in_flight_parents or \
-                    (self.ledger.knows(k) and not self.ledger.is_evictable(k, now)):
-                return False
-            stack.extend(c for c in self._meta[k].children if c in self._meta)
+        if self._held_below(key, self.clock()):
+            return False
         self._drop(key)
         return True
 

@@ -245,7 +245,7 @@ def _raw_server(port_q: Any) -> None:
         threading.Thread(target=_raw_serve_conn, args=(c,), daemon=True).start()
 
 
-def _raw_client_proc(port: int, threads: int, seed: int, lo: int, hi: int, start: Any, deadline: Any,
+def _raw_client_proc(port: int, threads: int, seed: int, lo: int, hi: int, ready: Any, start: Any, deadline: Any,
                      out: Any) -> None:
     moved = [0] * threads
 
@@ -255,6 +255,7 @@ def _raw_client_proc(port: int, threads: int, seed: int, lo: int, hi: int, start
         tune(s)
         src = memoryview(bytearray(b"\x01" * hi))
         dst = memoryview(bytearray(hi))
+        ready.release()  # connected, buffers faulted in: the clock starts only once every client is here
         start.wait()
         end = deadline.value
         while time.perf_counter() < end:
@@ -304,14 +305,18 @@ class RawServer:
         """Bytes moved by the clients in ``seconds`` (after all connected), in GB/s; None on failure."""
         ctx = mp.get_context("fork")  # fast: the clients need nothing but sockets
         start, deadline, out = ctx.Event(), ctx.Value("d", 0.0), ctx.Queue()
+        ready = ctx.Semaphore(0)
         per = [len(range(i, self.clients, self.procs)) for i in range(self.procs)]
         self._round += 1
-        ps = [ctx.Process(target=_raw_client_proc, args=(self.port, n, self._round * 100 + i, self.lo, self.hi, start,
-                                                         deadline, out), daemon=True) for i, n in enumerate(per)]
+        ps = [ctx.Process(target=_raw_client_proc, args=(self.port, n, self._round * 100 + i, self.lo, self.hi, ready,
+                                                         start, deadline, out), daemon=True) for i, n in enumerate(per)]
         try:
             for p in ps:
                 p.start()
-            time.sleep(0.2)  # connected and waiting
+            # on a busy 2-core machine forking and faulting in the buffers can take longer than a short
+            # window: a fixed sleep once let the clock run out before any client had moved a byte (0 GB/s)
+            if not all(ready.acquire(timeout=60) for _ in range(self.clients)):
+                return None
             deadline.value = time.perf_counter() + seconds
             start.set()
             total = sum(int(out.get(timeout=seconds + 120)) for _ in ps)
@@ -322,7 +327,7 @@ class RawServer:
                 p.join(10)
                 if p.is_alive():
                     p.kill()
-        return gbps(total, seconds)
+        return gbps(total, seconds) if total > 0 else None  # nothing moved is a failed measurement, not a limit of 0
 
     def close(self) -> None:
         self._srv.kill()

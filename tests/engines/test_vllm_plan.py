@@ -112,3 +112,29 @@ def test_saves_come_in_runs_of_consecutive_blocks_each_under_its_parent() -> Non
     plan = pl.step([ScheduledRequest("r", 0, 16, [5, 6, 7, 8], True)])
     assert plan.saves == (BlockCopy("r", (keys[0],), (5,), parent=None),
                           BlockCopy("r", (keys[2], keys[3]), (7, 8), parent=keys[1]))
+
+
+def test_with_the_live_token_list_generated_blocks_are_saved_as_they_fill_and_chain_on_the_prompt() -> None:
+    p = prompt(6)  # 1 full block + 2 tokens
+    tokens = list(p)  # vLLM's Request.all_token_ids: grows as tokens are sampled
+    stored: set[bytes] = set()
+    pl = planner(stored)
+    assert pl.lookup("r", p, 0, tokens=tokens) == 0
+    plan = pl.step([ScheduledRequest("r", 0, 6, [4, 8], True)])
+    assert [c.block_ids for c in plan.saves] == [(4,)]
+    stored.update(k for c in plan.saves for k in c.keys)
+    tokens.append(50)  # sampled by the prefill step; decode step 1 computes its KV (position 6)
+    assert pl.step([ScheduledRequest("r", 6, 1, None, False)]).saves == ()
+    tokens.append(51)  # position 7 completes block 1: prompt tokens 4, 5 + generated 50, 51
+    plan = pl.step([ScheduledRequest("r", 7, 1, None, False)])
+    whole = chain_keys([*p, 50, 51], CTX)
+    assert plan.saves == (BlockCopy("r", (whole[1],), (8,), parent=whole[0]),)
+    # the next turn's prompt (this turn's prompt + answer + more) finds both blocks
+    stored.update(k for c in plan.saves for k in c.keys)
+    assert planner(stored).lookup("turn2", [*p, 50, 51, 60, 61, 62], 0) == 8
+    # without the token list (kvport_save_generated false) only prompt blocks are saved
+    pl2 = planner(set())
+    pl2.lookup("q", p, 0)
+    pl2.step([ScheduledRequest("q", 0, 6, [1, 2], True)])
+    assert pl2.step([ScheduledRequest("q", 7, 1, None, False)]).saves == ()
+    assert pl.prompt_keys("r") == (whole[0],) and pl.prompt_keys("nobody") == ()

@@ -252,3 +252,15 @@ def test_a_load_that_cannot_start_by_its_deadline_is_reported_and_recomputed(tmp
     assert slow.take_failed() == {4, 5}  # vLLM recomputes them; nothing was linked
     for i in range(SPEC.num_layers):
         assert not layer(dst, i)[[4, 5]].any()
+
+
+def test_connector_config_reaches_a_kvport_server_and_checks_its_new_keys() -> None:
+    cfg = ConnectorConfig.from_extra_config({"kvport_server": "127.0.0.1:7070", "kvport_server_tenant": "a",
+                                             "kvport_host_capacity": "64 MiB", "kvport_pd_lease_s": 5})
+    assert cfg.disk_dir is None and cfg.server == ("127.0.0.1", 7070) and cfg.server_tenant == "a"
+    assert cfg.host_capacity_bytes == 64 << 20 and cfg.pd_lease_s == 5.0 and cfg.save_generated
+    for bad in ({"kvport_server": "nohost"}, {"kvport_server": "h:99999"}, {"kvport_server": "h:1", "kvport_pd_lease_s": 0},
+                {"kvport_server": "h:1", "kvport_save_generated": "yes"}, {"kvport_server": "h:1", "kvport_server_tenant": ""},
+                {"kvport_host_capacity": "1 GiB"}):
+        with pytest.raises(ConfigError):
+            ConnectorConfig.from_extra_config(bad)

@@ -20,6 +20,7 @@ from kvport.extras import missing_extra_for
 COMMANDS: dict[str, tuple[str, str]] = {
     "size": ("kvport.cli.size_cmd", "size"),
     "serve": ("kvport.cli.serve_cmd", "serve_cmd"),
+    "proxy": ("kvport.cli.proxy_cmd", "proxy_cmd"),
     "inspect": ("kvport.cli.inspect_cmd", "inspect_cmd"),
     "plan": ("kvport.cli.plan_cmd", "plan"),
     "calibrate": ("kvport.cli.calibrate_cmd", "calibrate_cmd"),

@@ -1,9 +1,19 @@
 """The connector's configuration, parsed once from vLLM's ``kv_connector_extra_config``.
 
-Keys (all optional except the store location)::
+Keys (all optional except a store location: a disk folder, a kvport server, or both)::
 
-    kvport_disk_dir        folder of a kvport DiskTier shared by every engine process  (required)
+    kvport_disk_dir        folder of a kvport DiskTier shared by every engine process  (none)
     kvport_disk_capacity   "8 GiB" / bytes; the tier evicts above it                  (8 GiB)
+    kvport_server          "HOST:PORT" of a ``kvport serve``: the shared tier at the
+                           bottom of the store, every save written through to it;
+                           its token comes from KVPORT_AUTH_TOKEN                      (none)
+    kvport_server_tenant   the tenant this engine's blocks belong to on the server   ("default")
+    kvport_host_capacity   "1 GiB" / bytes of a host-RAM tier in front (0: none)      (0)
+    kvport_save_generated  also save the blocks of generated tokens, so the next
+                           turn's prefill on any engine finds the whole conversation  (true)
+    kvport_pd_lease_s      a producer (kv_role kv_producer) leases a request's blocks
+                           in the shared tier for this long when it hands them to a
+                           decode engine; the decode engine's load must come by then  (30)
     kvport_staging_tokens  tokens the load staging and the save buffer each hold,
                            preallocated and touched at start-up (no page faults on the
                            TTFT path); a larger step goes in waves                     (2048)
@@ -38,6 +48,7 @@ _PREFIX = "kvport_"
 _KNOWN = frozenset({
     "kvport_disk_dir", "kvport_disk_capacity", "kvport_staging_tokens", "kvport_model_revision",
     "kvport_expect_spec", "kvport_tenant_salt", "kvport_profile", "kvport_load_deadline",
+    "kvport_server", "kvport_server_tenant", "kvport_host_capacity", "kvport_save_generated", "kvport_pd_lease_s",
 })
 DEFAULT_DISK_CAPACITY = 8 * 1024**3
 DEFAULT_STAGING_TOKENS = 2048
@@ -45,7 +56,7 @@ DEFAULT_STAGING_TOKENS = 2048
 
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
-    disk_dir: Path
+    disk_dir: Path | None = None
     disk_capacity_bytes: int = DEFAULT_DISK_CAPACITY
     staging_tokens: int = DEFAULT_STAGING_TOKENS
     model_revision: str = ""
@@ -53,6 +64,11 @@ class ConnectorConfig:
     tenant_salt: bytes = b""
     profile_path: Path | None = None  # calibration profile: the planner gates every lookup; None = always load
     load_deadline: DeadlinePolicy = field(default_factory=DeadlinePolicy)
+    server: tuple[str, int] | None = None  # the shared tier: a kvport server
+    server_tenant: str = "default"
+    host_capacity_bytes: int = 0
+    save_generated: bool = True
+    pd_lease_s: float = 30.0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -61,12 +77,27 @@ class ConnectorConfig:
         if unknown:
             raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}: expected {sorted(_KNOWN)}")
         disk_dir = cfg.get("kvport_disk_dir")
-        if not isinstance(disk_dir, str | Path) or not str(disk_dir):
-            raise ConfigError("kv_connector_extra_config needs kvport_disk_dir (a folder shared by the engines)")
+        if disk_dir is not None and (not isinstance(disk_dir, str | Path) or not str(disk_dir)):
+            raise ConfigError(f"kvport_disk_dir must be a folder, got {disk_dir!r}")
+        server = _server(cfg.get("kvport_server"))
+        if disk_dir is None and server is None:
+            raise ConfigError("kv_connector_extra_config needs kvport_disk_dir (a folder shared by the engines) "
+                              "or kvport_server (HOST:PORT of a kvport serve), or both")
         try:
             capacity = parse_size(cfg.get("kvport_disk_capacity", DEFAULT_DISK_CAPACITY))
+            host_text = cfg.get("kvport_host_capacity", 0)
+            host = 0 if host_text in (0, "0") else parse_size(host_text)
         except UnitError as exc:
-            raise ConfigError(f"kvport_disk_capacity: {exc}") from exc
+            raise ConfigError(f"kvport_disk_capacity / kvport_host_capacity: {exc}") from exc
+        tenant = cfg.get("kvport_server_tenant", "default")
+        if not isinstance(tenant, str) or not tenant:
+            raise ConfigError(f"kvport_server_tenant must be a non-empty string, got {tenant!r}")
+        save_generated = cfg.get("kvport_save_generated", True)
+        if not isinstance(save_generated, bool):
+            raise ConfigError(f"kvport_save_generated must be true or false, got {save_generated!r}")
+        lease = cfg.get("kvport_pd_lease_s", 30.0)
+        if isinstance(lease, bool) or not isinstance(lease, int | float) or not 0 < lease <= 3600:
+            raise ConfigError(f"kvport_pd_lease_s must be seconds in (0, 3600], got {lease!r}")
         staging = cfg.get("kvport_staging_tokens", DEFAULT_STAGING_TOKENS)
         if not isinstance(staging, int) or isinstance(staging, bool) or staging <= 0:
             raise ConfigError(f"kvport_staging_tokens must be a positive integer, got {staging!r}")
@@ -95,10 +126,21 @@ class ConnectorConfig:
         return cls(
             load_deadline=load_deadline,
             profile_path=None if profile is None else Path(profile).expanduser(),
-            disk_dir=Path(disk_dir).expanduser(),
+            disk_dir=None if disk_dir is None else Path(disk_dir).expanduser(),
+            server=server, server_tenant=tenant, host_capacity_bytes=host, save_generated=save_generated,
+            pd_lease_s=float(lease),
             disk_capacity_bytes=capacity,
             staging_tokens=staging,
             model_revision=revision,
             expect_spec=None if expect is None else KVSpec.from_dict(expect),
             tenant_salt=salt,
         )
+
+
+def _server(value: Any) -> tuple[str, int] | None:
+    if value is None:
+        return None
+    host, sep, port = str(value).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"kvport_server must be HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)

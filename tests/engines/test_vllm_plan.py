@@ -138,3 +138,20 @@ def test_with_the_live_token_list_generated_blocks_are_saved_as_they_fill_and_ch
     pl2.step([ScheduledRequest("q", 0, 6, [1, 2], True)])
     assert pl2.step([ScheduledRequest("q", 7, 1, None, False)]).saves == ()
     assert pl.prompt_keys("r") == (whole[0],) and pl.prompt_keys("nobody") == ()
+
+
+def test_an_async_hit_is_handed_to_the_next_step_with_the_blocks_vllm_allocated_and_not_loaded_again() -> None:
+    p = prompt(14)
+    keys = chain_keys(p, CTX)
+    pl = planner(set(keys))
+    assert pl.lookup("r", p, 4) == 8  # block 0 in vLLM's own cache, blocks 1-2 from the store
+    pl.after_alloc("r", 8, block_ids=[7, 3, 9, 1])  # all of the request's blocks, local ones first
+    plan = pl.step([])  # the request waits for its KV: not scheduled, its load goes out anyway
+    assert plan.async_loads == (BlockCopy("r", (keys[1], keys[2]), (3, 9)),) and plan.loads == ()
+    assert pl.step([]).async_loads == ()  # handed out once
+    # scheduled once loaded: no load again, nothing to save (every full block came from the store)
+    plan = pl.step([ScheduledRequest("r", 12, 2, [7, 3, 9, 1], True)])
+    assert plan.loads == () and plan.saves == ()
+    with pytest.raises(EngineError):
+        pl.lookup("q", p, 0)
+        pl.after_alloc("q", 8, block_ids=[1])  # fewer blocks than the load needs

@@ -13,6 +13,7 @@ SUITES: dict[str, str] = {
     "codec": "kvport.bench.codec",
     "faults": "kvport.bench.faults",
     "hash": "kvport.bench.hash",
+    "pd": "kvport.bench.pd",
     "planner": "kvport.bench.planner",
     "server": "kvport.bench.server",
     "soak": "kvport.bench.soak",

@@ -12,10 +12,24 @@ from kvport.cli._params import writable_file
 @click.option("--users", default=3, show_default=True, type=click.IntRange(1, 4))
 @click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, 4))
 @click.option("--max-new-tokens", default=24, show_default=True, type=click.IntRange(1, 256))
-def demo(json_path: str | None, users: int, rounds: int, max_new_tokens: int) -> None:
+@click.option("--engine", default="hf", show_default=True, type=click.Choice(["hf", "vllm"]),
+              help="hf: kvport's own transformers workers; vllm: vllm serve engines behind kvport proxy")
+def demo(json_path: str | None, users: int, rounds: int, max_new_tokens: int, engine: str) -> None:
     """Prefill/decode disaggregation of a multi-turn chat on the reference model, with a report."""
     if json_path:
         writable_file(json_path, "--json")  # now, not after the demo
+    if engine == "vllm":
+        from pathlib import Path
+
+        from rich.console import Console
+
+        from kvport.demo.vllm_run import run
+
+        summary = run(users, rounds, max_new_tokens, Path(json_path) if json_path else None, Console())
+        if not summary["outputs_equal_baseline"]:
+            click.echo("kvport demo: outputs differ from recompute or the run failed (see above)", err=True)
+            raise SystemExit(1)
+        return
     from kvport.demo.run import main_cli
 
     main_cli(json_path, users, rounds, max_new_tokens)

@@ -37,6 +37,7 @@ class StoreConfig:
     disk_dir: Path | None = None
     disk_bytes: int = 0
     disk_shared: bool = False  # other processes write the folder while this one runs
+    disk_refresh_s: float | None = 1.0  # a miss rescans the shared folder at most this often (one stat if unchanged)
     redis_url: str | None = None
     server: ClientConfig | None = None  # the kvport server (shared tier) at the bottom
     eviction: str = "slru"
@@ -62,7 +63,8 @@ def open_store(cfg: StoreConfig, ledger: Ledger | None = None) -> TieredStore:
         if cfg.disk_dir is not None:
             from kvport.tiers.disk import DiskTier
 
-            tiers.append(DiskTier(cfg.disk_dir, cfg.disk_bytes, name="disk", shared=cfg.disk_shared))
+            tiers.append(DiskTier(cfg.disk_dir, cfg.disk_bytes, name="disk", shared=cfg.disk_shared,
+                                  refresh_s=cfg.disk_refresh_s))
         if cfg.redis_url is not None:
             from kvport.tiers.redis_tier import RedisTier
 

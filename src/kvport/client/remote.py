@@ -271,6 +271,10 @@ class RemoteTier(Tier):
     def contains_many(self, keys: Iterable[bytes]) -> list[bool]:
         return list(self._contains(list(keys)).present)
 
+    def sizes_of(self, keys: Iterable[bytes]) -> list[int | None]:
+        ans = self._contains(list(keys))
+        return [n if ok else None for ok, n in zip(ans.present, ans.lengths, strict=True)]
+
     def delete(self, key: bytes) -> bool:
         return self.delete_many([key]) == 1
 

@@ -231,16 +231,13 @@ class TieredStore:
             if not t.caps.shared or not self._health.healthy(t):
                 continue
             try:
-                have = t.contains_many(keys[start:])
-                for j, ok in enumerate(have):
-                    if not ok:
+                sizes = t.sizes_of(keys[start:])  # one round trip to a remote tier, not one per key
+                for j, size in enumerate(sizes):
+                    if size is None:
                         break
                     k = keys[start + j]
                     if k in self._idx[name]:
                         continue
-                    size = t.size_of(k)
-                    if size is None:
-                        break
                     parent = keys[start + j - 1] if start + j > 0 else None
                     self._index_add(name, k, size, parent, Lifetime.PREFIX, None)
                     found = True

@@ -236,6 +236,10 @@ class Tier(abc.ABC):
     def contains_many(self, keys: Iterable[bytes]) -> list[bool]:
         return [self.contains(k) for k in keys]
 
+    def sizes_of(self, keys: Iterable[bytes]) -> list[int | None]:
+        """:meth:`size_of` of each key (a remote tier answers them all in one round trip)."""
+        return [self.size_of(k) for k in keys]
+
     def delete_many(self, keys: Iterable[bytes]) -> int:
         return sum(1 for k in keys if self.delete(k))
 

@@ -11,6 +11,8 @@ Keys (all optional except a store location: a disk folder, a kvport server, or b
     kvport_host_capacity   "1 GiB" / bytes of a host-RAM tier in front (0: none)      (0)
     kvport_save_generated  also save the blocks of generated tokens, so the next
                            turn's prefill on any engine finds the whole conversation  (true)
+    kvport_async_handoff   a decode engine loads a hand-off in the background
+                           (vLLM's load_kv_async): other requests' steps go on      (true)
     kvport_pd_lease_s      a producer (kv_role kv_producer) leases a request's blocks
                            in the shared tier for this long when it hands them to a
                            decode engine; the decode engine's load must come by then  (30)
@@ -49,6 +51,7 @@ _KNOWN = frozenset({
     "kvport_disk_dir", "kvport_disk_capacity", "kvport_staging_tokens", "kvport_model_revision",
     "kvport_expect_spec", "kvport_tenant_salt", "kvport_profile", "kvport_load_deadline",
     "kvport_server", "kvport_server_tenant", "kvport_host_capacity", "kvport_save_generated", "kvport_pd_lease_s",
+    "kvport_async_handoff",
 })
 DEFAULT_DISK_CAPACITY = 8 * 1024**3
 DEFAULT_STAGING_TOKENS = 2048
@@ -69,6 +72,7 @@ class ConnectorConfig:
     host_capacity_bytes: int = 0
     save_generated: bool = True
     pd_lease_s: float = 30.0
+    async_handoff: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -95,6 +99,9 @@ class ConnectorConfig:
         save_generated = cfg.get("kvport_save_generated", True)
         if not isinstance(save_generated, bool):
             raise ConfigError(f"kvport_save_generated must be true or false, got {save_generated!r}")
+        async_handoff = cfg.get("kvport_async_handoff", True)
+        if not isinstance(async_handoff, bool):
+            raise ConfigError(f"kvport_async_handoff must be true or false, got {async_handoff!r}")
         lease = cfg.get("kvport_pd_lease_s", 30.0)
         if isinstance(lease, bool) or not isinstance(lease, int | float) or not 0 < lease <= 3600:
             raise ConfigError(f"kvport_pd_lease_s must be seconds in (0, 3600], got {lease!r}")
@@ -128,7 +135,7 @@ class ConnectorConfig:
             profile_path=None if profile is None else Path(profile).expanduser(),
             disk_dir=None if disk_dir is None else Path(disk_dir).expanduser(),
             server=server, server_tenant=tenant, host_capacity_bytes=host, save_generated=save_generated,
-            pd_lease_s=float(lease),
+            pd_lease_s=float(lease), async_handoff=async_handoff,
             disk_capacity_bytes=capacity,
             staging_tokens=staging,
             model_revision=revision,

@@ -45,9 +45,13 @@ and share nothing but the disk folder and the metadata vLLM carries between them
                                                                  wait_for_save     paged KV -> tier
     update_from_output  <--- invalid_block_ids ---------------  get_block_ids_with_load_errors
 
-Loads are synchronous (``load_kv_async=False``): the blocks are in the paged KV before the layer
-that reads them runs, and a failed block is reported in the same step so that vLLM, with
-``kv_load_failure_policy="recompute"``, recomputes from the first failed block. Saves copy full
+Prefix loads are synchronous (``load_kv_async=False``): the blocks are in the paged KV before the
+layer that reads them runs, and a failed block is reported in the same step so that vLLM, with
+``kv_load_failure_policy="recompute"``, recomputes from the first failed block. A decode engine's
+hand-off loads asynchronously (``kvport_async_handoff``, on by default): vLLM parks the request in
+WAITING_FOR_REMOTE_KVS, the worker's :class:`~.worker.AsyncLoads` thread fills its blocks while
+other requests' steps run, and ``get_finished`` reports it (its failed blocks with it) so that vLLM
+schedules it, recomputing what failed. Saves copy full
 blocks in ``wait_for_save``, after the forward of the step that computed them, when every
 layer of those blocks is final; ``save_kv_layer`` has nothing to overlap on a CPU (the copy is a
 memcpy on the same cores the model uses), so it does no work.
@@ -84,7 +88,7 @@ from kvport.client.remote import RemoteTier
 from kvport.codec.envelope import stored_bytes
 from kvport.config import Settings
 from kvport.engines.vllm.gate import gate
-from kvport.errors import KVPortError
+from kvport.errors import EngineError, KVPortError
 from kvport.keys import KeyContext
 from kvport.planner import Planner as CostPlanner
 from kvport.planner import Profile
@@ -95,7 +99,7 @@ from .config import ConnectorConfig
 from .identity import check_expected, engine_spec
 from .paged import PagedKV
 from .plan import BlockCopy, Planner, ScheduledRequest, StepPlan
-from .worker import BlockMover, WorkerStats
+from .worker import AsyncLoads, BlockMover, WorkerStats
 
 require("vllm", __name__)  # another release that imports is refused too: hooks and layouts change between them
 
@@ -134,6 +138,9 @@ def open_connector_store(cfg: ConnectorConfig, spec: KVSpec) -> TieredStore:
     return open_store(StoreConfig(
         block_bytes=stored_bytes(spec), host_bytes=cfg.host_capacity_bytes, disk_dir=cfg.disk_dir,
         disk_bytes=cfg.disk_capacity_bytes if cfg.disk_dir is not None else 0, disk_shared=True, server=server,
+        # a decode engine looks for a hand-off milliseconds after the prefill engine wrote it: every miss
+        # may rescan (one stat of the folder when nothing changed)
+        disk_refresh_s=0.0,
         write_through=("shared",) if server is not None and any(lower) else ()))
 
 
@@ -182,6 +189,9 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.consumes = role in ("kv_consumer", "kv_both")
         self.engine_label = f"{role}:{self._kv_transfer_config.engine_id}"
         self.pd_outcomes: dict[str, int] = {}  # scheduler side: decode loads by outcome (also a metric)
+        self._async_reqs: set[str] = set()  # scheduler side: hand-offs answered with load_kv_async
+        self.async_loads: AsyncLoads | None = None  # worker side
+        self._async_failed: set[int] = set()  # worker side: reported with the requests get_finished ends
 
     # ================================================================ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -191,7 +201,12 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         handed = _remote_params(request)
         if handed.get("do_remote_prefill") and self.consumes:
             n = self._check_handed(request, handed, num_computed_tokens, n)
-            return n, False  # the prefill engine computed these: no cost gate (recomputing is what PD avoids)
+            # the prefill engine computed these: no cost gate (recomputing is what PD avoids); loaded in
+            # the background when configured, so the engine's other requests go on meanwhile
+            load_async = self.cfg.async_handoff and n > 0
+            if load_async:
+                self._async_reqs.add(request.request_id)
+            return n, load_async
         return gate(self.cost_planner, self.spec, len(prompt), num_computed_tokens, n), False
 
     def _pd(self, outcome: str, req_id: str, why: str = "") -> None:
@@ -228,7 +243,12 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return hit
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self.planner.after_alloc(request.request_id, num_external_tokens)
+        rid = request.request_id
+        if rid in self._async_reqs:
+            self._async_reqs.discard(rid)
+            self.planner.after_alloc(rid, num_external_tokens, blocks.get_block_ids()[0])
+        else:
+            self.planner.after_alloc(rid, num_external_tokens)
         self.matched_tokens += max(0, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPortMetadata:
@@ -279,6 +299,8 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         paged = PagedKV(kv_caches, self.spec)
         staging = max(1, -(-self.cfg.staging_tokens // self.spec.block_size))
         self.mover = BlockMover(self.spec, self.store, paged, staging, self.cfg.load_deadline)
+        if self.consumes and self.cfg.async_handoff:
+            self.async_loads = AsyncLoads(self.spec, self.store, paged, staging, self.cfg.load_deadline)
 
     def _plan(self) -> StepPlan | None:
         if self.mover is None or not self.has_connector_metadata():
@@ -290,6 +312,10 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         plan = self._plan()
         if plan is not None and plan.loads and self.mover is not None:
             self.mover.begin_load(plan.loads)
+        if plan is not None and plan.async_loads:
+            if self.async_loads is None:  # a scheduler that asked for async without the worker's config
+                raise EngineError("asynchronous loads planned, but this worker has no async loader")
+            self.async_loads.submit(plan.async_loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.mover is not None:
@@ -308,14 +334,28 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if plan is not None and plan.saves:
             self.mover.save(plan.saves)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(sending done, receiving done): saves are synchronous (nothing is sent later); the
+        asynchronous loads that ended, each with its failed blocks (reported by the next call)."""
+        if self.async_loads is None:
+            return None, None
+        done, failed = self.async_loads.take()
+        self._async_failed |= failed
+        return None, done or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return set() if self.mover is None else self.mover.take_failed()
+        failed = set() if self.mover is None else self.mover.take_failed()
+        failed |= self._async_failed
+        self._async_failed = set()
+        return failed
 
     @property
     def worker_stats(self) -> WorkerStats | None:
         return None if self.mover is None else self.mover.stats
 
     def shutdown(self) -> None:
+        if self.async_loads is not None:
+            self.async_loads.close()
         self.store.close()
         for tier in self.store.tiers.values():
             tier.close()

@@ -15,15 +15,18 @@ threads not bound (two engines share the cores).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +55,17 @@ def connector_config(role: str, extra: Mapping[str, Any]) -> dict[str, Any]:
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": dict(extra)}
 
 
+def nixl_config() -> dict[str, Any]:
+    """vLLM's own NixlConnector (the peer a PD benchmark compares with; needs the ``nixl`` wheels)."""
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+
+
 class EngineServer:
     def __init__(self, model_dir: Path, port: int, *, role: str | None, extra: Mapping[str, Any] | None = None,
                  log: Path, max_model_len: int = 4096, block_size: int = 32,
-                 env: Mapping[str, str] | None = None) -> None:
-        """``role`` None: a plain engine without a connector (the colocated reference)."""
+                 env: Mapping[str, str] | None = None, kv_config: Mapping[str, Any] | None = None) -> None:
+        """``role`` None: a plain engine without a connector (the colocated reference), or the connector
+        ``kv_config`` names (another one: the peer)."""
         self.model_dir, self.port, self.role, self.log = model_dir, port, role, log
         self.url = f"http://127.0.0.1:{port}"
         self.argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
@@ -64,13 +73,19 @@ class EngineServer:
                      "--dtype", "float32", "--enforce-eager", "--block-size", str(block_size),
                      "--max-model-len", str(max_model_len), "--enable-prompt-tokens-details",
                      "--disable-uvicorn-access-log", "--seed", "0"]
-        if role is not None:
-            self.argv += ["--kv-transfer-config", json.dumps(connector_config(role, extra or {}))]
-        self.env = {**os.environ, **SERVE_ENV, **(env or {})}
+        config = connector_config(role, extra or {}) if role is not None else kv_config
+        if config is not None:
+            self.argv += ["--kv-transfer-config", json.dumps(config)]
+        # prometheus_client's multiprocess mode: the API server's /metrics then also shows the counters
+        # kvport keeps in the engine-core and worker processes (kvport_vllm_pd_loads_total, ...)
+        self.metrics_dir = log.parent / f"prometheus-{port}"
+        self.env = {**os.environ, **SERVE_ENV, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir), **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> EngineServer:
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)  # must start empty (stale files sum into the counts)
+        self.metrics_dir.mkdir(parents=True)
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=True)
@@ -107,10 +122,8 @@ class EngineServer:
 
     def _signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
 
     def stop(self, grace_s: float = 20.0) -> None:
         if self.proc is None:
@@ -121,8 +134,108 @@ class EngineServer:
         except subprocess.TimeoutExpired:
             self._signal(signal.SIGKILL)
             self.proc.wait(30)
-        try:  # the engine core and its workers are in the group too
+        with contextlib.suppress(ProcessLookupError):  # the engine core and its workers are in the group too
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc = None
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (all held open while chosen: the kernel hands a port just released
+    out again, and two engines given one port fail at start-up)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+_handed: set[int] = set()
+
+
+def free_port() -> int:
+    """A free port not handed out before by this process."""
+    for _ in range(64):
+        port = free_ports(1)[0]
+        if port not in _handed:
+            _handed.add(port)
+            return port
+    raise EngineError("no free port found")
+
+
+def wait_all(engines: Sequence[EngineServer], timeout_s: float = 400.0) -> None:
+    """Engines start in parallel (each ~30-60 s on 2 cores); wait for every one."""
+    for e in engines:
+        e.wait_healthy(timeout_s)
+
+
+class KVPortServer:
+    """``kvport serve`` in a child process (the shared tier); its port is read from its first line."""
+
+    def __init__(self, log: Path, args: Sequence[str] = ("--capacity", "2GiB")) -> None:
+        self.log = log
+        self.argv = [sys.executable, "-m", "kvport.cli.serve_cmd", "--listen", "127.0.0.1:0", *args]
+        self.proc: subprocess.Popen[str] | None = None
+        self.port = 0
+
+    def start(self) -> KVPortServer:
+        with self.log.open("ab") as err:
+            self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=err, text=True)
+        line = self.proc.stdout.readline() if self.proc.stdout is not None else ""
+        try:
+            self.port = int(json.loads(line)["port"])
+        except (ValueError, KeyError, TypeError):
+            self.stop()
+            raise EngineError(f"kvport serve did not start: {self.log.read_text(errors='replace')[-1000:]}") from None
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(10)
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+            self.proc = None
+
+
+class ProxyServer:
+    """``kvport proxy`` in a child process in front of the given engines."""
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], log: Path, port: int = 0) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.argv = [sys.executable, "-m", "kvport.cli.proxy_cmd", "--listen", f"127.0.0.1:{self.port}",
+                     *[a for u in prefill for a in ("--prefill", u)], *[a for u in decode for a in ("--decode", u)]]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 30.0) -> ProxyServer:
+        with self.log.open("ab") as err:
+            self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=err)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineError(f"kvport proxy exited: {self.log.read_text(errors='replace')[-1000:]}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=1).close()
+                return self
+            except OSError:
+                time.sleep(0.1)
+        raise EngineError(f"kvport proxy not up after {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+            self.proc = None

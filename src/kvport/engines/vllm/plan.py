@@ -48,6 +48,7 @@ class BlockCopy:
 class StepPlan:
     loads: tuple[BlockCopy, ...] = ()
     saves: tuple[BlockCopy, ...] = ()
+    async_loads: tuple[BlockCopy, ...] = ()  # loaded in the background; done when get_finished says so
 
     @property
     def load_blocks(self) -> int:
@@ -90,6 +91,7 @@ class Planner:
         self._contains = contains
         self._prefix = prefix
         self._reqs: dict[str, _Request] = {}
+        self._async: list[BlockCopy] = []  # async loads accepted since the last step
 
     def _state(self, req_id: str, prompt: Sequence[int], salt: bytes) -> _Request:
         st = self._reqs.get(req_id)
@@ -116,7 +118,10 @@ class Planner:
         st.hit_tokens = hit * self.block_size
         return max(0, st.hit_tokens - local_tokens)
 
-    def after_alloc(self, req_id: str, external_tokens: int) -> None:
+    def after_alloc(self, req_id: str, external_tokens: int, block_ids: Sequence[int] | None = None) -> None:
+        """An accepted hit: a load at the request's first scheduled step, or, with ``block_ids`` (all
+        the request's blocks, as vLLM allocated them for an asynchronous load), one the next step's
+        plan hands to the worker's background loader at once."""
         st = self._reqs.get(req_id)
         if st is None or external_tokens <= 0:
             return
@@ -124,7 +129,13 @@ class Planner:
         if start % self.block_size or end % self.block_size or end > st.hit_tokens:
             raise EngineError(f"{req_id}: load of tokens [{start}, {end}) does not match the lookup "
                               f"(hit {st.hit_tokens}, block size {self.block_size})")
-        st.pending_load = (start // self.block_size, end // self.block_size)
+        a, b = start // self.block_size, end // self.block_size
+        if block_ids is None:
+            st.pending_load = (a, b)
+            return
+        if b > len(block_ids):
+            raise EngineError(f"{req_id}: load needs {b} blocks, vLLM allocated {len(block_ids)}")
+        self._async.append(BlockCopy(req_id, tuple(st.keys[a:b]), tuple(block_ids[a:b])))
 
     def step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         loads: list[BlockCopy] = []
@@ -158,7 +169,8 @@ class Planner:
                                            tuple(st.block_ids[i] for i in run),
                                            st.keys[run[0] - 1] if run[0] else None))
                 st.saved_upto = done
-        return StepPlan(tuple(loads), tuple(saves))
+        async_loads, self._async = tuple(self._async), []
+        return StepPlan(tuple(loads), tuple(saves), async_loads)
 
     def prompt_keys(self, req_id: str) -> tuple[BlockKey, ...]:
         """Keys of the request's full prompt blocks (empty for a request this planner never saw)."""

@@ -28,6 +28,8 @@ holds a :class:`~kvport.store.TieredStore`, never a tier.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +50,8 @@ from .plan import BlockCopy
 log = logging.getLogger(__name__)
 
 _BLOCKS = metrics.counter("vllm_connector_blocks", "KV blocks moved by the vLLM connector", ["op"])
+_SECONDS = metrics.counter("vllm_connector_seconds", "seconds the vLLM connector spent moving KV, by op "
+                           "(save: paged KV -> store; load: store -> paged KV, reads, checks and copies)", ["op"])
 
 
 @dataclass(slots=True)
@@ -66,7 +70,7 @@ class BlockMover:
     """Moves whole blocks between the store and the paged KV; one instance per worker."""
 
     def __init__(self, spec: KVSpec, store: TieredStore, paged: PagedKV, staging_blocks: int,
-                 deadlines: DeadlinePolicy | None = None) -> None:
+                 deadlines: DeadlinePolicy | None = None, save_blocks: int | None = None) -> None:
         """``deadlines``: a step's loads may take ``factor`` x the time expected from this worker's
         observed read speed (the policy's maximum before the first read), within bounds; blocks not
         read by then are load errors and vLLM recomputes them."""
@@ -79,9 +83,10 @@ class BlockMover:
         h = self.format.header_len
         self.staging = Staging(spec, staging_blocks, header=h)
         # save buffer: one stored value per block of a batched put; touched now, like the staging
-        self._save_buf = np.ones((staging_blocks, self.format.value_bytes), dtype=np.uint8)
-        self._save_views: tuple[memoryview, ...] = tuple(self._save_buf[j].data for j in range(staging_blocks))
-        self._save_slabs = self._save_buf[:, h:].reshape(staging_blocks, spec.num_layers, spec.bytes_per_layer_block)
+        nsave = staging_blocks if save_blocks is None else save_blocks
+        self._save_buf = np.ones((nsave, self.format.value_bytes), dtype=np.uint8)
+        self._save_views: tuple[memoryview, ...] = tuple(self._save_buf[j].data for j in range(nsave))
+        self._save_slabs = self._save_buf[:, h:].reshape(nsave, spec.num_layers, spec.bytes_per_layer_block)
         self._ids: np.ndarray | None = None  # block ids of the staged batch, slot order
         self._count = 0
         self._layers_done: list[bool] = [True] * spec.num_layers
@@ -136,7 +141,9 @@ class BlockMover:
         try:
             self._begin_load(loads)
         finally:  # eager waves copy inside begin_load: that time is counted as copy, not read
-            self.stats.load_read_s += time.perf_counter() - t0 - (self.stats.load_copy_s - copy0)
+            dt = time.perf_counter() - t0
+            self.stats.load_read_s += dt - (self.stats.load_copy_s - copy0)
+            _SECONDS.labels(op="load").inc(dt)
 
     def _begin_load(self, loads: Sequence[BlockCopy]) -> None:
         total = sum(len(c.keys) for c in loads)
@@ -188,7 +195,9 @@ class BlockMover:
         t0 = time.perf_counter()
         self.paged.scatter_layer(layer, self._ids, self.staging.layer(layer, self._count))
         self._layers_done[layer] = True
-        self.stats.load_copy_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.stats.load_copy_s += dt
+        _SECONDS.labels(op="load").inc(dt)
 
     def finish_load(self) -> None:
         if self._ids is not None:
@@ -208,7 +217,9 @@ class BlockMover:
         try:
             self._save(saves)
         finally:
-            self.stats.save_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.stats.save_s += dt
+            _SECONDS.labels(op="save").inc(dt)
 
     def _save(self, saves: Sequence[BlockCopy]) -> None:
         cap = self._save_buf.shape[0]
@@ -233,3 +244,82 @@ class BlockMover:
             return
         self.stats.blocks_saved += len(chunk)
         _BLOCKS.labels(op="saved").inc(len(chunk))
+
+
+class AsyncLoads:
+    """Loads of handed-off requests (``load_kv_async``) in one background thread, straight into the
+    paged KV: vLLM keeps running other requests' steps meanwhile, and schedules a request once
+    :meth:`take` has reported it (``get_finished``). Its own staging, allocated and touched at
+    start-up like the synchronous one; the same checks (checksums, envelopes, deadline): blocks not
+    loaded are reported with the request, and vLLM recomputes them.
+
+    Only the request's own, newly allocated blocks are written, which nothing else reads or writes
+    until vLLM schedules the request, so the copies need no lock against the model's forward."""
+
+    def __init__(self, spec: KVSpec, store: TieredStore, paged: PagedKV, staging_blocks: int,
+                 deadlines: DeadlinePolicy | None = None) -> None:
+        self.mover = BlockMover(spec, store, paged, staging_blocks, deadlines, save_blocks=1)
+        self._queue: queue.Queue[BlockCopy | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._done: set[str] = set()
+        self._failed: set[int] = set()
+        self._thread = threading.Thread(target=self._run, name="kvport-async-loads", daemon=True)
+        self._thread.start()
+
+    @property
+    def stats(self) -> WorkerStats:
+        return self.mover.stats
+
+    def submit(self, loads: Sequence[BlockCopy]) -> None:
+        for c in loads:
+            self._queue.put(c)
+
+    def take(self) -> tuple[set[str], set[int]]:
+        """Requests whose load ended since the last call, and the block ids of theirs not loaded."""
+        with self._lock:
+            done, failed = self._done, self._failed
+            self._done, self._failed = set(), set()
+        return done, failed
+
+    def _run(self) -> None:
+        while True:
+            c = self._queue.get()
+            if c is None:
+                return
+            failed: list[int] = []
+            try:
+                failed = self._load(c)
+            except Exception as exc:  # a load must end (reported), never kill the loader
+                log.warning("kvport: async load of %s failed (%s: %s); vLLM recomputes it", c.req_id,
+                            type(exc).__name__, exc)
+                failed = list(c.block_ids)
+            with self._lock:
+                self._failed.update(failed)
+                self._done.add(c.req_id)
+
+    def _load(self, c: BlockCopy) -> list[int]:
+        m = self.mover
+        t0, copy0 = time.perf_counter(), m.stats.load_copy_s
+        cap = m.staging.capacity
+        deadline = m._deadline(len(c.keys))
+        pos = 0
+        try:
+            while pos < len(c.keys):
+                take = min(cap, len(c.keys) - pos)
+                got = m._read(c.keys[pos : pos + take], 0, deadline)
+                m._scatter_all(list(c.block_ids[pos : pos + got]))
+                pos += got
+                if got < take:
+                    rest = list(c.block_ids[pos:])
+                    m.stats.blocks_failed += len(rest)
+                    _BLOCKS.labels(op="load_failed").inc(len(rest))
+                    return rest
+            return []
+        finally:
+            dt = time.perf_counter() - t0
+            m.stats.load_read_s += dt - (m.stats.load_copy_s - copy0)
+            _SECONDS.labels(op="load_async").inc(dt)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(5)

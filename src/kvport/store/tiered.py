@@ -565,6 +565,17 @@ class TieredStore:
                 self._probe_shared((key,), 0)
             return key in self._meta and self._where(key) is not None
 
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """:meth:`contains` of each key, the shared tiers asked once for the run of keys this store has
+        not indexed that starts at the first of them (a chain's blocks come in order: one round trip
+        where :meth:`contains` key by key takes one each). A key after a gap in that run reads as
+        absent unless indexed: a caller that writes it again only touches it."""
+        with self._lock:
+            missing = tuple(k for k in keys if k not in self._meta)
+            if missing:
+                self._probe_shared(missing, 0)
+            return [k in self._meta and self._where(k) is not None for k in keys]
+
     def read_views(self, key: bytes) -> ReadViews | None:
         """The block's bytes as read-only views of the top healthy tier's own memory, when that tier
         allows it (``caps.zero_copy_read``), else None (use :meth:`get_into`). Valid only while the

@@ -179,7 +179,8 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.key_context = KeyContext(block_size=self.spec.block_size, spec_fingerprint=self.spec.fingerprint,
                                       tenant_salt=self.cfg.tenant_salt)
         self.planner = Planner(self.key_context, self.store.contains,
-                               prefix=lambda keys: self.store.lookup(keys).prefix_blocks)
+                               prefix=lambda keys: self.store.lookup(keys).prefix_blocks,
+                               contains_many=self.store.contains_many)
         # the cost planner (transfer vs recompute) gates lookups when a calibration profile is configured
         self.cost_planner = None if self.cfg.profile_path is None else CostPlanner(Profile.load(self.cfg.profile_path))
         self.mover: BlockMover | None = None

@@ -83,13 +83,16 @@ class Planner:
     """Per-request state between ``get_num_new_matched_tokens`` and the request's end."""
 
     def __init__(self, ctx: KeyContext, contains: Callable[[BlockKey], bool],
-                 prefix: Callable[[Sequence[BlockKey]], int] | None = None) -> None:
+                 prefix: Callable[[Sequence[BlockKey]], int] | None = None,
+                 contains_many: Callable[[Sequence[BlockKey]], list[bool]] | None = None) -> None:
         """``contains(key)``: the store holds the block; ``prefix(keys)``: how many leading keys it
-        holds (one lookup; default: ``contains`` key by key)."""
+        holds (one lookup; default: ``contains`` key by key); ``contains_many(keys)``: ``contains`` of
+        each, in one call (default: key by key)."""
         self.ctx = ctx
         self.block_size = ctx.block_size
         self._contains = contains
         self._prefix = prefix
+        self._contains_many = contains_many or (lambda keys: [contains(k) for k in keys])
         self._reqs: dict[str, _Request] = {}
         self._async: list[BlockCopy] = []  # async loads accepted since the last step
 
@@ -163,7 +166,8 @@ class Planner:
                 st.keys.extend(chain_keys(list(more), st.ctx, parent=st.keys[-1] if st.keys else None))
             done = min(done, len(st.keys), len(st.block_ids))
             if done > st.saved_upto:
-                idx = [i for i in range(st.saved_upto, done) if not self._contains(st.keys[i])]
+                have = self._contains_many(st.keys[st.saved_upto : done])
+                idx = [st.saved_upto + j for j, held in enumerate(have) if not held]
                 for run in _runs(idx):
                     saves.append(BlockCopy(s.req_id, tuple(st.keys[i] for i in run),
                                            tuple(st.block_ids[i] for i in run),

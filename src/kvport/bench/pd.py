@@ -380,16 +380,22 @@ def _pd_measure(o: _Opts, prompts: list[list[int]], chats: list[list[dict[str, s
 
 
 def _live_share(pre: list[EngineServer]) -> float | None:
-    """Engine A computes a fresh prompt; engine B is asked for it at once, and again until it loads it."""
+    """Engine A computes a fresh prompt; engine B is asked for it at once, and again until it loads it:
+    the seconds from A's answer to the answer of B's first request that loaded it (the metric reads
+    that tell whether it did are outside the window)."""
     p = long_prompts(1, 640)[0][::-1]
-    request(pre[0].url + "/v1/completions", {**completion_body(p, 1), "stream": False, "stream_options": None})
+    body = {**completion_body(p, 1), "stream": False, "stream_options": None}
+    request(pre[0].url + "/v1/completions", body)
     t_saved = time.perf_counter()
     deadline = t_saved + 30
+    ext = prompt_tokens(pre[1].url, "external_kv_transfer")
     while time.perf_counter() < deadline:
-        ext0 = prompt_tokens(pre[1].url, "external_kv_transfer")
-        request(pre[1].url + "/v1/completions", {**completion_body(p, 1), "stream": False, "stream_options": None})
-        if prompt_tokens(pre[1].url, "external_kv_transfer") > ext0:
-            return time.perf_counter() - t_saved
+        request(pre[1].url + "/v1/completions", body)
+        t_answer = time.perf_counter()
+        now = prompt_tokens(pre[1].url, "external_kv_transfer")
+        if now > ext:
+            return t_answer - t_saved
+        ext = now
         time.sleep(0.05)
     return None
 

@@ -165,13 +165,14 @@ def _summary(turns: list[VllmTurn], max_new: int) -> dict[str, Any]:
 
 def _render(console: Console, turns: list[VllmTurn], summary: dict[str, Any]) -> None:
     table = Table(title="kvport demo --engine vllm: every turn through the PD deployment")
-    for col in ("user", "round", "prompt", "found", "TTFT (PD)", "TTFT (recompute)", "equal", "answer"):
-        table.add_column(col)
+    for col in ("user", "round", "prompt", "found", "TTFT (PD)", "TTFT (recompute)", "equal"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("answer", no_wrap=True, max_width=28, overflow="ellipsis")
     for t in turns:
         table.add_row(str(t.user), str(t.round), str(t.prompt_tokens), str(t.found_tokens),
                       "-" if t.ttft_s is None else f"{t.ttft_s * 1000:.0f} ms",
                       "-" if t.baseline_ttft_s is None else f"{t.baseline_ttft_s * 1000:.0f} ms",
-                      "yes" if t.equal else "[red]NO[/]", (t.error or t.answer)[:48])
+                      "yes" if t.equal else "[red]NO[/]", (t.error or t.answer).replace("\n", " ")[:60])
     console.print(table)
     console.print(f"outputs equal to recompute on every turn: {summary['outputs_equal_baseline']} "
                   f"(logprobs within {summary['logprob_max_abs_diff']}); history found from round 2: "

@@ -78,6 +78,7 @@ from kvport.engines.vllm.deploy import (
     ProxyServer,
     free_port,
     nixl_config,
+    stop_on_sigterm,
     wait_all,
 )
 from kvport.errors import KVPortError
@@ -474,7 +475,7 @@ def run(opts: SuiteOptions, progress: Callable[[str], None] | None = None) -> Re
                       threads="VLLM_CPU_OMP_THREADS_BIND=0, VLLM_CPU_NUM_OF_RESERVED_CPU=0 for every engine")
     kv_bytes = _kv_bytes(model, o.prompt_tokens)
     keep = opts.extra.get("keep")  # a folder for the engines' logs (else a temporary one)
-    with TemporaryDirectory(prefix="kvport-bench-pd-") as tmp:
+    with stop_on_sigterm(), TemporaryDirectory(prefix="kvport-bench-pd-") as tmp:
         root = Path(str(keep)) if keep else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         raw = raw_socket_gbps(64 << 20, trials=3)

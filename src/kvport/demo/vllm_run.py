@@ -34,7 +34,14 @@ from kvport.bench.harness import conditions
 from kvport.bench.pd import Answer, chat_body, prompt_tokens, request
 from kvport.config import Settings
 from kvport.demo.workload import default_workload
-from kvport.engines.vllm.deploy import EngineServer, KVPortServer, ProxyServer, free_port, wait_all
+from kvport.engines.vllm.deploy import (
+    EngineServer,
+    KVPortServer,
+    ProxyServer,
+    free_port,
+    stop_on_sigterm,
+    wait_all,
+)
 from kvport.errors import KVPortError
 
 LOGPROB_TOL = 1e-4
@@ -70,7 +77,7 @@ def run(users: int, rounds: int, max_new_tokens: int, json_path: Path | None, co
     if not is_prepared(model):
         prepare(model)
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-    with TemporaryDirectory(prefix="kvport-demo-vllm-") as tmp, \
+    with stop_on_sigterm(), TemporaryDirectory(prefix="kvport-demo-vllm-") as tmp, \
             TemporaryDirectory(prefix="kvport-demo-vllm-", dir=shm) as shared:
         root = Path(tmp)
         console.print("[bold]kvport demo --engine vllm[/]: starting kvport serve, a prefill and a decode "

@@ -26,7 +26,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +137,25 @@ class EngineServer:
         with contextlib.suppress(ProcessLookupError):  # the engine core and its workers are in the group too
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc = None
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises SystemExit inside the block, so that the ``finally`` clauses stopping the engines
+    run: each engine is its own process group and outlives a parent killed by the default handler
+    (an interrupted benchmark once left a NIXL worker spinning on a core for an hour)."""
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, _exit)
+    except ValueError:  # not the main thread: leave the handler alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def free_ports(n: int) -> list[int]:

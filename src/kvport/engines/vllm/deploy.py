@@ -30,6 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvport.config import subprocess_env
 from kvport.errors import EngineError
 
 from .runner import CONNECTOR, CONNECTOR_MODULE
@@ -79,7 +80,7 @@ class EngineServer:
         # prometheus_client's multiprocess mode: the API server's /metrics then also shows the counters
         # kvport keeps in the engine-core and worker processes (kvport_vllm_pd_loads_total, ...)
         self.metrics_dir = log.parent / f"prometheus-{port}"
-        self.env = {**os.environ, **SERVE_ENV, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir), **(env or {})}
+        self.env = subprocess_env({**SERVE_ENV, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir), **(env or {})})
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> EngineServer:
@@ -137,6 +138,17 @@ class EngineServer:
         with contextlib.suppress(ProcessLookupError):  # the engine core and its workers are in the group too
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc = None
+
+
+def _end(proc: subprocess.Popen[Any], grace_s: float) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``: a child that does not leave in time is killed."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 @contextlib.contextmanager
@@ -212,13 +224,7 @@ class KVPortServer:
 
     def stop(self) -> None:
         if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait(10)
+            _end(self.proc, 30.0)
             if self.proc.stdout is not None:
                 self.proc.stdout.close()
             self.proc = None
@@ -251,10 +257,5 @@ class ProxyServer:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+            _end(self.proc, 10.0)
             self.proc = None

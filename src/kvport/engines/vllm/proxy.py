@@ -40,6 +40,7 @@ from typing import Any
 from kvport import metrics
 from kvport.errors import ConfigError
 from kvport.extras import require
+from kvport.protocol.net import is_loopback
 
 try:
     import aiohttp
@@ -71,7 +72,7 @@ class ProxyConfig:
         for url in [*self.prefill, *self.decode]:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"engine URL must start with http:// or https://, got {url!r}")
-        if self.host not in ("127.0.0.1", "localhost", "::1") and not self.auth_token:
+        if not is_loopback(self.host) and not self.auth_token:
             raise ConfigError(f"the proxy binds {self.host}, beyond this machine: it needs an auth token "
                               "(--auth-token or KVPORT_AUTH_TOKEN)")
 

@@ -236,10 +236,17 @@ def test_bad_hand_offs_are_recomputed_never_a_wrong_token_and_the_reason_is_logg
 def test_a_hand_off_lease_lapses_and_leaves_nothing_held(pd: Deployment) -> None:
     p = _prompt(6)
     params = _prefill(pd, p)
-    assert params["kvport"]["leased_blocks"] == (len(p) - 1) // BLOCK and params["kvport"]["lease_s"] == LEASE_S
+    n = (len(p) - 1) // BLOCK
+    assert params["kvport"]["tokens"] == n * BLOCK and params["kvport"]["lease_s"] == LEASE_S
     tier = pd.server.client()
     try:
-        assert any(row.blocks == (len(p) - 1) // BLOCK for row in tier.stats().leases)  # the pool holds them
+        # the producer's worker commits the hand-off once the server holds the blocks (written behind the
+        # save): leased to the pool there, then the request reported as sent and its vLLM blocks freed
+        deadline = time.monotonic() + 15
+        while not any(row.blocks == n for row in tier.stats().leases):
+            assert time.monotonic() < deadline, "the hand-off was never leased in the shared tier"
+            time.sleep(0.05)
+        assert _metric(pd.prefill.url, "kvport_vllm_pd_handoffs_total", outcome="leased") >= 1
         time.sleep(LEASE_S + 1.5)
         stats, leaks = tier.stats(), tier.leaks()
         assert not stats.leases and not stats.pins and leaks.clean

@@ -155,3 +155,18 @@ def test_an_async_hit_is_handed_to_the_next_step_with_the_blocks_vllm_allocated_
     with pytest.raises(EngineError):
         pl.lookup("q", p, 0)
         pl.after_alloc("q", 8, block_ids=[1])  # fewer blocks than the load needs
+
+
+def test_a_hand_off_goes_to_the_next_step_once_with_the_prompt_keys_only() -> None:
+    p = prompt(10)  # 2 full prompt blocks and a partial one
+    keys = chain_keys(p, CTX)
+    pl = planner(set())
+    assert pl.lookup("r", p, 0, tokens=[*p, 1, 2]) == 0
+    pl.step([ScheduledRequest("r", 0, 10, [5, 6, 7], True)])
+    handed = pl.hand_off("r", 7.5)
+    pl.finish("r")  # vLLM's request_finished: the state goes, the hand-off stays queued
+    assert handed == tuple(keys[:2])
+    plan = pl.step([])
+    assert [(h.req_id, h.keys, h.lease_s) for h in plan.handoffs] == [("r", tuple(keys[:2]), 7.5)]
+    assert pl.step([]).handoffs == ()  # given to the worker once
+    assert pl.hand_off("never-seen", 1.0) == ()  # a request the planner never saw: nothing to lease

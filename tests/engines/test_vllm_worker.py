@@ -259,9 +259,15 @@ def test_connector_config_reaches_a_kvport_server_and_checks_its_new_keys() -> N
                                              "kvport_host_capacity": "64 MiB", "kvport_pd_lease_s": 5})
     assert cfg.disk_dir is None and cfg.server == ("127.0.0.1", 7070) and cfg.server_tenant == "a"
     assert cfg.host_capacity_bytes == 64 << 20 and cfg.pd_lease_s == 5.0 and cfg.save_generated
+    assert cfg.server_write_behind and cfg.idle_spin_s is None  # defaults: write-behind, vLLM's own spin
+    cfg = ConnectorConfig.from_extra_config({"kvport_server": "h:1", "kvport_server_write": "through",
+                                             "kvport_idle_spin_ms": 5})
+    assert not cfg.server_write_behind and cfg.idle_spin_s == 0.005
     h = {"kvport_server": "h:1"}
     for bad in ({"kvport_server": "nohost"}, {"kvport_server": "h:99999"}, {**h, "kvport_pd_lease_s": 0},
                 {**h, "kvport_save_generated": "yes"}, {**h, "kvport_server_tenant": ""},
-                {**h, "kvport_async_handoff": 1}, {"kvport_host_capacity": "1 GiB"}):
+                {**h, "kvport_async_handoff": 1}, {"kvport_host_capacity": "1 GiB"},
+                {**h, "kvport_server_write": "later"}, {**h, "kvport_idle_spin_ms": -1},
+                {**h, "kvport_idle_spin_ms": True}):
         with pytest.raises(ConfigError):
             ConnectorConfig.from_extra_config(bad)

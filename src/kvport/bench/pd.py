@@ -27,7 +27,8 @@ Results:
   bytes at the raw loopback socket's rate measured in this run (``limits.raw_socket_gbps``), medians.
   The transfer time is what the connectors report (``kvport_vllm_connector_seconds_total`` on each
   engine's /metrics): the prefill engine's save (after the step's forward: none of it overlaps the
-  prefill) plus the decode engine's load (before the request's first step). Beside it,
+  prefill; the server's copy is written behind it, off the step) plus the decode engine's load
+  (before the request's first step); ``exposed_save_s`` and ``exposed_load_s`` are the two parts. Beside it,
   ``exposed_transfer_end_to_end_s`` takes it from outside: the prefill request's time beyond the
   colocated engine's TTFT of the same prompt, plus the decode TTFT beyond the same request's with
   nothing to load (two engines' noise included);
@@ -340,12 +341,13 @@ def _pd_measure(o: _Opts, prompts: list[list[int]], chats: list[list[dict[str, s
         request(dec.url + "/v1/completions", completion_body(w[1:], 2, cache_salt=f"warm{i}"))
     res: dict[str, Any] = {"prefill_s": [], "decode_ttft_s": [], "decode_ttft_local_s": [], "prompt_equal": [],
                            "diffs": []}
-    res["moved_s"] = []
+    res["moved_s"], res["save_s"], res["load_s"] = [], [], []
     for p, r in zip(prompts, ref["prompts"], strict=True):
-        moved0 = connector_seconds(pre[0].url, "save") + connector_seconds(dec.url, "load", "load_async")
+        save0, load0 = connector_seconds(pre[0].url, "save"), connector_seconds(dec.url, "load", "load_async")
         pf, d = _handoff(pre[0], dec, p, 16)
-        res["moved_s"].append(connector_seconds(pre[0].url, "save")
-                              + connector_seconds(dec.url, "load", "load_async") - moved0)
+        res["save_s"].append(connector_seconds(pre[0].url, "save") - save0)
+        res["load_s"].append(connector_seconds(dec.url, "load", "load_async") - load0)
+        res["moved_s"].append(res["save_s"][-1] + res["load_s"][-1])
         again = request(dec.url + "/v1/completions", completion_body(p, 16, kv_transfer_params=pf.kv_transfer_params))
         ok, diff = same_answer(d, r)
         res["prefill_s"].append(pf.wall_s)
@@ -507,6 +509,8 @@ def run(opts: SuiteOptions, progress: Callable[[str], None] | None = None) -> Re
         "decode_ttft_nothing_to_load_s": _med(pd["decode_ttft_local_s"]),
         "prefill_request_s": _med(pd["prefill_s"]),
         "exposed_transfer_s": _med(pd["moved_s"]),
+        "exposed_save_s": _med(pd["save_s"]),  # the prefill engine's save in the step (the server's copy behind it)
+        "exposed_load_s": _med(pd["load_s"]),  # the decode engine's load of the hand-off
         "exposed_transfer_end_to_end_s": _med(outside),
         "ideal_transfer_s": round(ideal, 4) if ideal else None,
         "exposed_transfer_vs_ideal": ratio(_med(pd["moved_s"]), ideal),

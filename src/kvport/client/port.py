@@ -42,6 +42,7 @@ class StoreConfig:
     server: ClientConfig | None = None  # the kvport server (shared tier) at the bottom
     eviction: str = "slru"
     write_through: tuple[str, ...] = ()  # tiers written on every put (e.g. "shared"); others get demotions
+    write_behind: tuple[str, ...] = ()  # tiers written after every put, by the store's writer thread
 
     def __post_init__(self) -> None:
         if self.block_bytes <= 0:
@@ -50,6 +51,9 @@ class StoreConfig:
             raise ConfigError(f"host_bytes {self.host_bytes} holds no block of {self.block_bytes}")
         if self.disk_dir is not None and self.disk_bytes <= 0:
             raise ConfigError("a disk tier needs disk_bytes > 0")
+        both = set(self.write_through) & set(self.write_behind)
+        if both:
+            raise ConfigError(f"tiers {sorted(both)} are both write_through and write_behind")
 
 
 def open_store(cfg: StoreConfig, ledger: Ledger | None = None) -> TieredStore:
@@ -74,9 +78,10 @@ def open_store(cfg: StoreConfig, ledger: Ledger | None = None) -> TieredStore:
         if not tiers:
             raise ConfigError("a store needs at least one tier (host, disk, redis or server)")
         policies = {n: TierPolicy(write=WriteMode.THROUGH) for n in cfg.write_through}
+        policies.update({n: TierPolicy(write=WriteMode.BEHIND) for n in cfg.write_behind})
         unknown = set(policies) - {t.name for t in tiers}
         if unknown:
-            raise ConfigError(f"write_through names tiers this store does not have: {sorted(unknown)}")
+            raise ConfigError(f"write_through / write_behind name tiers this store does not have: {sorted(unknown)}")
         return TieredStore(tiers, ledger, eviction=cfg.eviction, tier_policies=policies)
     except BaseException:
         for t in tiers:

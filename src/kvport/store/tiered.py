@@ -54,6 +54,7 @@ from kvport.errors import (
 from kvport.ledger import Ledger, Owner, OwnerKind
 from kvport.lifetime import Lifetime
 from kvport.metrics import counter, gauge
+from kvport.store.behind import WriteBehind, count_dropped
 from kvport.store.eviction import DEFAULT_POLICY, make_policy
 from kvport.store.health import TierHealth
 from kvport.store.index import TierIndex
@@ -159,6 +160,12 @@ class TieredStore:
         self._in_flight_parents: dict[bytes, int] = {}  # parents of reserved blocks: not evictable meanwhile
         self.orphans_dropped = 0
         self._orphans: dict[bytes, set[bytes]] = {}  # a lost block -> its children kept (held)
+        self._behind: WriteBehind | None = None
+        if any(p.write is WriteMode.BEHIND for p in self.tier_policies.values()):
+            if self.tier_policies[names[0]].write is WriteMode.BEHIND:
+                raise ConfigError(f"{names[0]} is the top tier: nothing is above it to write behind")
+            self._behind = WriteBehind(self._copy_behind)
+        self._behind_scratch = bytearray(0)  # the write-behind thread's read buffer, grown to the largest block
         if adopt_persistent:
             for t in tiers:
                 if t.caps.persistent and not t.caps.shared:
@@ -254,6 +261,14 @@ class TieredStore:
         allowed tier can take it, QuotaExceededError when ``account`` is full of blocks that may not
         leave. ``ttl_s``: this block's idle TTL (any lifetime); ``attrs``: the caller's bytes kept with
         it (:meth:`meta_of`); ``origin``: who handed it to the store (recorded by the ledger)."""
+        try:
+            return self._put(key, data, lifetime, parent, owner, request_id, account, ttl_s, attrs, origin)
+        finally:
+            self._behind_room()
+
+    def _put(self, key: bytes, data: Buffer, lifetime: Lifetime, parent: bytes | None, owner: Owner | None,
+             request_id: str | None, account: str | None, ttl_s: float | None, attrs: bytes,
+             origin: Owner | None) -> str:
         src = byte_view(data)
         with self._lock:
             self.expire()
@@ -293,6 +308,8 @@ class TieredStore:
                     elif self.tier_policies[name].write is WriteMode.THROUGH:
                         with contextlib.suppress(TierFullError, TierUnavailableError):
                             self._write(name, key, (src,), m)
+                    elif self.tier_policies[name].write is WriteMode.BEHIND and self._behind is not None:
+                        self._behind.submit(name, (key,), src.nbytes, wait=False)
             finally:
                 self._busy = set()
                 if placed is None:
@@ -310,6 +327,14 @@ class TieredStore:
         batched write per tier (the disk tier makes it one slab, read back in one sequential pass).
         When no tier takes the whole batch, or a block is already held, falls back to ``put`` per
         block. Returns the tier of each block."""
+        try:
+            return self._put_many(items, lifetime, parent, owner, request_id, account, ttl_s)
+        finally:
+            self._behind_room()
+
+    def _put_many(self, items: Sequence[tuple[bytes, Buffer]], lifetime: Lifetime, parent: bytes | None,
+                  owner: Owner | None, request_id: str | None, account: str | None,
+                  ttl_s: float | None) -> list[str]:
         srcs = [(k, byte_view(d)) for k, d in items]
         keys = [k for k, _ in srcs]
         with self._lock:
@@ -330,9 +355,12 @@ class TieredStore:
                 prev = k
             self._busy = set(keys) | ({parent} if parent is not None else set())
             placed: str | None = None
+            behind: list[str] = []
             try:
                 for name in allowed:
-                    if placed is None or self.tier_policies[name].write is WriteMode.THROUGH:
+                    if placed is not None and self.tier_policies[name].write is WriteMode.BEHIND:
+                        behind.append(name)
+                    elif placed is None or self.tier_policies[name].write is WriteMode.THROUGH:
                         try:
                             self._write_many(name, srcs)
                             placed = placed or name
@@ -347,6 +375,9 @@ class TieredStore:
                 return self._put_chain(srcs, lifetime, parent, owner, request_id, account, ttl_s)
             for k in keys:
                 self._admitted(k, self._meta[k], owner, None)
+            if self._behind is not None:
+                for name in behind:
+                    self._behind.submit(name, keys, sum(v.nbytes for _, v in srcs), wait=False)
             return [placed] * len(keys)
 
     def _put_chain(self, srcs: list[tuple[bytes, memoryview]], lifetime: Lifetime, parent: bytes | None,
@@ -1148,7 +1179,85 @@ class TieredStore:
                               blocks={n: len(ix) for n, ix in self._idx.items()},
                               used_bytes={n: ix.used for n, ix in self._idx.items()}, broken=self._health.broken)
 
+    # ------------------------------------------------------------------ write-behind
+    def _behind_room(self) -> None:
+        """After a put, outside the lock: wait while the write-behind queue is over its bound (not in a
+        put nested in another store call, which holds the lock the writer needs)."""
+        if self._behind is not None and not self._lock._is_owned():  # type: ignore[attr-defined]
+            self._behind.wait_room()
+
+    def _copy_behind(self, tier: str, keys: Sequence[bytes]) -> None:
+        """The write-behind thread's work: each block still held is read from the tier above (under
+        the lock: a local read) and written to ``tier`` outside it, so a slow or hung tier below
+        never stalls the store's other calls; indexed there once written, unless it left meanwhile."""
+        dropped = 0
+        t = self.tiers[tier]
+        for key in keys:
+            with self._lock:
+                m = self._meta.get(key)
+                if m is None or key in self._idx[tier]:
+                    dropped += m is None
+                    continue
+                src = next((n for n in self.names if n != tier and key in self._idx[n]), None)
+                if src is None or not self._health.healthy(t):
+                    dropped += 1
+                    continue
+                if len(self._behind_scratch) < m.size:
+                    self._behind_scratch = bytearray(m.size)
+                view = memoryview(self._behind_scratch)[: m.size]
+                try:
+                    n = self.tiers[src].get_into(key, view)
+                    charge = t.charge(n)
+                    self._busy = {key}
+                    try:
+                        self._make_room(tier, charge)
+                    finally:
+                        self._busy = set()
+                except KVPortError as exc:
+                    log.debug("kvport: write-behind of %s to %s dropped (%s)", key.hex(), tier, exc)
+                    dropped += 1
+                    continue
+                meta, ttl = m.block_meta(), self._native_ttl(t, m)
+            try:  # outside the lock
+                if t.caps.block_meta:
+                    t.put_block(key, (view[:n],), meta, ttl_s=ttl)
+                else:
+                    t.put(key, view[:n], ttl_s=ttl)
+            except TierUnavailableError as exc:
+                self._health.mark_broken(t)
+                log.debug("kvport: write-behind of %s to %s dropped (%s)", key.hex(), tier, exc)
+                dropped += 1
+                continue
+            except KVPortError as exc:  # full, a value it refuses: this copy is not made
+                log.debug("kvport: write-behind of %s to %s dropped (%s)", key.hex(), tier, exc)
+                dropped += 1
+                continue
+            with self._lock:
+                if key in self._meta and key not in self._idx[tier]:
+                    self._bytes_in[tier] += n
+                    _BYTES_IN.labels(tier).inc(n)
+                    self._index_add(tier, key, n, None, self._meta[key].lifetime, charge)
+                elif key not in self._meta:  # deleted while it was being written: not kept below either
+                    with contextlib.suppress(KVPortError):
+                        t.delete(key)
+        if dropped:
+            count_dropped(tier, dropped)
+
+    def after_writes(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once every block queued for write-behind so far is written (at once when nothing
+        is queued, or the store has no write-behind tier)."""
+        if self._behind is None:
+            fn()
+        else:
+            self._behind.after(fn)
+
+    def flush_behind(self, timeout_s: float | None = None) -> bool:
+        """Wait until the write-behind queue is empty; False if ``timeout_s`` passed first."""
+        return True if self._behind is None else self._behind.flush(timeout_s)
+
     def close(self) -> None:
+        if self._behind is not None:
+            self._behind.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -14,10 +14,13 @@ class WriteMode(enum.Enum):
 
     THROUGH: every put to a tier above is also written here at once (survives a crash of the upper
              tier; costs the lower tier's write time on every put).
+    BEHIND:  like THROUGH, but written by the store's write-behind thread after the put returned
+             (:mod:`kvport.store.behind`): a put costs the upper tier's write only.
     BACK:    blocks arrive only when an upper tier demotes them under pressure.
     """
 
     THROUGH = "through"
+    BEHIND = "behind"
     BACK = "back"
 
 

@@ -7,6 +7,10 @@ Keys (all optional except a store location: a disk folder, a kvport server, or b
     kvport_server          "HOST:PORT" of a ``kvport serve``: the shared tier at the
                            bottom of the store, every save written through to it;
                            its token comes from KVPORT_AUTH_TOKEN                      (none)
+    kvport_server_write    "behind": a save returns once the tiers above the server hold
+                           it, the server's copy is written by the store's write-behind
+                           thread (kvport.store.behind); "through": the save waits for
+                           it too. Only with a disk or host tier above the server    ("behind")
     kvport_server_tenant   the tenant this engine's blocks belong to on the server   ("default")
     kvport_host_capacity   "1 GiB" / bytes of a host-RAM tier in front (0: none)      (0)
     kvport_save_generated  also save the blocks of generated tokens, so the next
@@ -16,6 +20,9 @@ Keys (all optional except a store location: a disk folder, a kvport server, or b
     kvport_pd_lease_s      a producer (kv_role kv_producer) leases a request's blocks
                            in the shared tier for this long when it hands them to a
                            decode engine; the decode engine's load must come by then  (30)
+    kvport_idle_spin_ms    cap vLLM's one-second busy-poll of its engine-core <-> worker
+                           queue after each message (kvport.engines.vllm.spin): set
+                           it when engines share a host's cores                       (vLLM's)
     kvport_staging_tokens  tokens the load staging and the save buffer each hold,
                            preallocated and touched at start-up (no page faults on the
                            TTFT path); a larger step goes in waves                     (2048)
@@ -51,7 +58,7 @@ _KNOWN = frozenset({
     "kvport_disk_dir", "kvport_disk_capacity", "kvport_staging_tokens", "kvport_model_revision",
     "kvport_expect_spec", "kvport_tenant_salt", "kvport_profile", "kvport_load_deadline",
     "kvport_server", "kvport_server_tenant", "kvport_host_capacity", "kvport_save_generated", "kvport_pd_lease_s",
-    "kvport_async_handoff",
+    "kvport_async_handoff", "kvport_idle_spin_ms", "kvport_server_write",
 })
 DEFAULT_DISK_CAPACITY = 8 * 1024**3
 DEFAULT_STAGING_TOKENS = 2048
@@ -69,10 +76,12 @@ class ConnectorConfig:
     load_deadline: DeadlinePolicy = field(default_factory=DeadlinePolicy)
     server: tuple[str, int] | None = None  # the shared tier: a kvport server
     server_tenant: str = "default"
+    server_write_behind: bool = True
     host_capacity_bytes: int = 0
     save_generated: bool = True
     pd_lease_s: float = 30.0
     async_handoff: bool = True
+    idle_spin_s: float | None = None  # None: vLLM's own busy-poll window (1 s)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -93,6 +102,9 @@ class ConnectorConfig:
             host = 0 if host_text in (0, "0") else parse_size(host_text)
         except UnitError as exc:
             raise ConfigError(f"kvport_disk_capacity / kvport_host_capacity: {exc}") from exc
+        write = cfg.get("kvport_server_write", "behind")
+        if write not in ("behind", "through"):
+            raise ConfigError(f"kvport_server_write must be 'behind' or 'through', got {write!r}")
         tenant = cfg.get("kvport_server_tenant", "default")
         if not isinstance(tenant, str) or not tenant:
             raise ConfigError(f"kvport_server_tenant must be a non-empty string, got {tenant!r}")
@@ -105,6 +117,9 @@ class ConnectorConfig:
         lease = cfg.get("kvport_pd_lease_s", 30.0)
         if isinstance(lease, bool) or not isinstance(lease, int | float) or not 0 < lease <= 3600:
             raise ConfigError(f"kvport_pd_lease_s must be seconds in (0, 3600], got {lease!r}")
+        spin = cfg.get("kvport_idle_spin_ms")
+        if spin is not None and (isinstance(spin, bool) or not isinstance(spin, int | float) or not 0 <= spin <= 1000):
+            raise ConfigError(f"kvport_idle_spin_ms must be milliseconds in [0, 1000], got {spin!r}")
         staging = cfg.get("kvport_staging_tokens", DEFAULT_STAGING_TOKENS)
         if not isinstance(staging, int) or isinstance(staging, bool) or staging <= 0:
             raise ConfigError(f"kvport_staging_tokens must be a positive integer, got {staging!r}")
@@ -134,8 +149,10 @@ class ConnectorConfig:
             load_deadline=load_deadline,
             profile_path=None if profile is None else Path(profile).expanduser(),
             disk_dir=None if disk_dir is None else Path(disk_dir).expanduser(),
-            server=server, server_tenant=tenant, host_capacity_bytes=host, save_generated=save_generated,
+            server=server, server_tenant=tenant, server_write_behind=write == "behind",
+            host_capacity_bytes=host, save_generated=save_generated,
             pd_lease_s=float(lease), async_handoff=async_handoff,
+            idle_spin_s=None if spin is None else spin / 1000.0,
             disk_capacity_bytes=capacity,
             staging_tokens=staging,
             model_revision=revision,

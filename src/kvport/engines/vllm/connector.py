@@ -20,9 +20,11 @@ Roles (``kv_role``), with the ``kv_transfer_params`` hand-shake of vLLM's disagg
 so vLLM's usual proxy pattern (``kvport.engines.vllm.proxy``) works::
 
     proxy --> prefill engine (kv_producer)   {"do_remote_decode": true}, max_tokens 1
-              computes the prompt, saves its blocks into the shared tier, leases them there for
-              ``kvport_pd_lease_s`` (the pool owns them, kept for the decode engine), and answers
-              {"do_remote_prefill": true, "kvport": {tokens, last key, its KVSpec, lease}}
+              computes the prompt, saves its blocks (the tiers above the server at once, the server
+              behind), answers {"do_remote_prefill": true, "kvport": {tokens, last key, its KVSpec,
+              lease time}} and keeps its vLLM blocks until the hand-off commits: the worker leases
+              the blocks in the shared tier for ``kvport_pd_lease_s`` once they are written there
+              (the pool owns them, kept for the decode engine), then reports the request as sent
     proxy --> decode engine (kv_consumer)    the same prompt with those params
               checks the sender's KVSpec against its own (another model, revision, dtype, block
               size: refused, the first differing field logged and counted), loads the prefix from
@@ -64,7 +66,9 @@ before a byte of it is copied into the paged KV (a refused block is a load error
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 from typing import TYPE_CHECKING, Any
 
 from kvport.extras import require
@@ -98,7 +102,8 @@ from kvport.store import TieredStore
 from .config import ConnectorConfig
 from .identity import check_expected, engine_spec
 from .paged import PagedKV
-from .plan import BlockCopy, Planner, ScheduledRequest, StepPlan
+from .plan import BlockCopy, HandOff, Planner, ScheduledRequest, StepPlan
+from .spin import limit_idle_spin
 from .worker import AsyncLoads, BlockMover, WorkerStats
 
 require("vllm", __name__)  # another release that imports is refused too: hooks and layouts change between them
@@ -123,25 +128,31 @@ class KVPortMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 _PD = metrics.counter("vllm_pd_loads", "decode-side loads of KV a prefill engine handed over, by outcome",
                       ["outcome"])
+_HANDOFFS = metrics.counter("vllm_pd_handoffs", "prefill-side hand-offs committed (blocks leased in the shared "
+                            "tier, then the request's blocks freed), by outcome", ["outcome"])
 PD_KEY = "kvport"  # our field in kv_transfer_params
 PD_VERSION = 1
 
 
 def open_connector_store(cfg: ConnectorConfig, spec: KVSpec) -> TieredStore:
     """The connector's store: host RAM, the shared disk folder and the kvport server, whichever are
-    configured, top-down; every save is written through to the server (the tier other engines see)."""
+    configured, top-down; every save is copied to the server (the tier other engines see): by the
+    store's write-behind thread after the save returned (``kvport_server_write``: "behind"), or
+    before it returns ("through")."""
     server = None
     if cfg.server is not None:
         server = ClientConfig(host=cfg.server[0], port=cfg.server[1], tenant=cfg.server_tenant,
                               token=Settings.from_env().auth_token, timeout_s=10.0)
-    lower = [cfg.host_capacity_bytes > 0, cfg.disk_dir is not None]
+    lower = any([cfg.host_capacity_bytes > 0, cfg.disk_dir is not None])
+    below = ("shared",) if server is not None and lower else ()
     return open_store(StoreConfig(
         block_bytes=stored_bytes(spec), host_bytes=cfg.host_capacity_bytes, disk_dir=cfg.disk_dir,
         disk_bytes=cfg.disk_capacity_bytes if cfg.disk_dir is not None else 0, disk_shared=True, server=server,
         # a decode engine looks for a hand-off milliseconds after the prefill engine wrote it: every miss
         # may rescan (one stat of the folder when nothing changed)
         disk_refresh_s=0.0,
-        write_through=("shared",) if server is not None and any(lower) else ()))
+        write_through=() if cfg.server_write_behind else below,
+        write_behind=below if cfg.server_write_behind else ()))
 
 
 def _remote_params(request: Any) -> dict[str, Any]:
@@ -172,6 +183,8 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
             str(mc.model), dtype=str(mc.dtype), block_size=int(vllm_config.cache_config.block_size),
             tp_size=int(vllm_config.parallel_config.tensor_parallel_size), revision=self.cfg.model_revision)
         check_expected(self.spec, self.cfg.expect_spec)
+        if self.cfg.idle_spin_s is not None:
+            limit_idle_spin(self.cfg.idle_spin_s)
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning("kvport: kv_load_failure_policy=%r fails requests on a bad block; use 'recompute'",
                         self._kv_transfer_config.kv_load_failure_policy)
@@ -192,6 +205,8 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._async_reqs: set[str] = set()  # scheduler side: hand-offs answered with load_kv_async
         self.async_loads: AsyncLoads | None = None  # worker side
         self._async_failed: set[int] = set()  # worker side: reported with the requests get_finished ends
+        self._sent: set[str] = set()  # worker side: hand-offs committed, reported by the next get_finished
+        self._sent_lock = threading.Lock()
 
     # ================================================================ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -269,27 +284,23 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """A producer asked to hand off (``do_remote_decode``) answers where the KV is: the prompt's
-        blocks are in the store (saved by the step that computed them, before this call) and, in a
-        shared tier, leased to the pool for ``kvport_pd_lease_s`` so nothing evicts them before
-        the decode engine loads them. vLLM frees its own blocks now: the store holds a copy."""
+        blocks are in the store, saved by the step that computed them, in the tiers above the
+        server at least (the decode engine's same-host path). With a shared tier (a kvport server),
+        the hand-off is committed by the worker at the next step: once the server's copies are
+        written (write-behind), the blocks are leased to the pool there for ``kvport_pd_lease_s``
+        so nothing evicts them before the decode engine loads them; only then does ``get_finished``
+        report the request as sent and vLLM frees its blocks (delay_free until the commit)."""
         rid = request.request_id
         try:
             if not (self.produces and _remote_params(request).get("do_remote_decode")):
                 return False, None
-            keys = self.planner.prompt_keys(rid)
-            leased, lease_id = 0, None
-            shared = self.store.tiers.get("shared")
-            if keys and isinstance(shared, RemoteTier):
-                try:
-                    lease_id, leased = shared.lease(list(keys), self.cfg.pd_lease_s)
-                except KVPortError as exc:  # not all there (a save dropped under pressure): fewer hits
-                    log.warning("kvport: request %s: lease of %d handed-off blocks failed (%s)", rid, len(keys), exc)
+            shared = isinstance(self.store.tiers.get("shared"), RemoteTier)
+            keys = self.planner.hand_off(rid, self.cfg.pd_lease_s) if shared else self.planner.prompt_keys(rid)
             params = {"do_remote_prefill": True, "do_remote_decode": False,
                       PD_KEY: {"v": PD_VERSION, "tokens": len(keys) * self.spec.block_size,
                                "last_key": keys[-1].hex() if keys else None, "spec": self.spec.as_dict(),
-                               "engine": self.engine_label, "lease": lease_id, "leased_blocks": leased,
-                               "lease_s": self.cfg.pd_lease_s}}
-            return False, params
+                               "engine": self.engine_label, "lease_s": self.cfg.pd_lease_s if shared else None}}
+            return shared, params
         finally:
             self.planner.finish(rid)
 
@@ -315,6 +326,28 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if self.async_loads is None:  # a scheduler that asked for async without the worker's config
                 raise EngineError("asynchronous loads planned, but this worker has no async loader")
             self.async_loads.submit(plan.async_loads)
+        for h in () if plan is None else plan.handoffs:  # after every save queued so far reached the server
+            self.store.after_writes(functools.partial(self._commit_handoff, h))
+
+    def _commit_handoff(self, h: HandOff) -> None:
+        """Lease a hand-off's blocks in the shared tier, then report the request as sent (always: a
+        lease that failed costs the decode engine a recompute, never the producer its blocks)."""
+        outcome = "leased"
+        try:
+            shared = self.store.tiers.get("shared")
+            if h.keys and isinstance(shared, RemoteTier):
+                _, leased = shared.lease(list(h.keys), h.lease_s)
+                if leased < len(h.keys):
+                    outcome = "partial"
+                    log.warning("kvport: request %s: %d of %d handed-off blocks leased (the rest evicted or "
+                                "not written)", h.req_id, leased, len(h.keys))
+        except KVPortError as exc:
+            outcome = "lease_failed"
+            log.warning("kvport: request %s: lease of %d handed-off blocks failed (%s)", h.req_id, len(h.keys), exc)
+        finally:
+            _HANDOFFS.labels(outcome=outcome).inc()
+            with self._sent_lock:
+                self._sent.add(h.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.mover is not None:
@@ -334,13 +367,16 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.mover.save(plan.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(sending done, receiving done): saves are synchronous (nothing is sent later); the
-        asynchronous loads that ended, each with its failed blocks (reported by the next call)."""
+        """(sending done, receiving done): the hand-offs committed (leased in the shared tier: vLLM
+        frees their blocks); the asynchronous loads that ended, each with its failed blocks
+        (reported by the next call)."""
+        with self._sent_lock:
+            sent, self._sent = self._sent, set()
         if self.async_loads is None:
-            return None, None
+            return sent or None, None
         done, failed = self.async_loads.take()
         self._async_failed |= failed
-        return None, done or None
+        return sent or None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed = set() if self.mover is None else self.mover.take_failed()

@@ -45,10 +45,22 @@ class BlockCopy:
 
 
 @dataclass(frozen=True, slots=True)
+class HandOff:
+    """A finished request whose blocks a producer handed to a decode engine: the worker leases ``keys``
+    in the shared tier for ``lease_s`` once its saves are written there, then reports ``req_id`` as
+    sent (``get_finished``), and vLLM frees the request's blocks."""
+
+    req_id: str
+    keys: tuple[BlockKey, ...]
+    lease_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     loads: tuple[BlockCopy, ...] = ()
     saves: tuple[BlockCopy, ...] = ()
     async_loads: tuple[BlockCopy, ...] = ()  # loaded in the background; done when get_finished says so
+    handoffs: tuple[HandOff, ...] = ()  # committed by the worker (lease, then reported as sent)
 
     @property
     def load_blocks(self) -> int:
@@ -95,6 +107,7 @@ class Planner:
         self._contains_many = contains_many or (lambda keys: [contains(k) for k in keys])
         self._reqs: dict[str, _Request] = {}
         self._async: list[BlockCopy] = []  # async loads accepted since the last step
+        self._handoffs: list[HandOff] = []  # hand-offs finished since the last step
 
     def _state(self, req_id: str, prompt: Sequence[int], salt: bytes) -> _Request:
         st = self._reqs.get(req_id)
@@ -174,7 +187,15 @@ class Planner:
                                            st.keys[run[0] - 1] if run[0] else None))
                 st.saved_upto = done
         async_loads, self._async = tuple(self._async), []
-        return StepPlan(tuple(loads), tuple(saves), async_loads)
+        handoffs, self._handoffs = tuple(self._handoffs), []
+        return StepPlan(tuple(loads), tuple(saves), async_loads, handoffs)
+
+    def hand_off(self, req_id: str, lease_s: float) -> tuple[BlockKey, ...]:
+        """A producer's finished request handed to a decode engine: its prompt's keys, and a
+        :class:`HandOff` the next step gives the worker to commit."""
+        keys = self.prompt_keys(req_id)
+        self._handoffs.append(HandOff(req_id, keys, lease_s))
+        return keys
 
     def prompt_keys(self, req_id: str) -> tuple[BlockKey, ...]:
         """Keys of the request's full prompt blocks (empty for a request this planner never saw)."""

@@ -77,6 +77,7 @@ from kvport.engines.vllm.deploy import (
     EngineServer,
     KVPortServer,
     ProxyServer,
+    decode_cpus_env,
     free_port,
     nixl_config,
     stop_on_sigterm,
@@ -306,7 +307,7 @@ def _pd_phase(model: Path, root: Path, o: _Opts, prompts: list[list[int]], chats
     pre = [EngineServer(model, free_port(), role="kv_producer", extra=extra, log=root / f"prefill{i}.log",
                         max_model_len=8192) for i in range(2)]
     dec = EngineServer(model, free_port(), role="kv_consumer", extra=extra, log=root / "decode.log",
-                       max_model_len=8192)
+                       max_model_len=8192, env=decode_cpus_env())
     res: dict[str, Any] = {}
     try:
         with _engines([*pre, dec]):
@@ -439,7 +440,8 @@ def _peer_phase(model: Path, root: Path, o: _Opts, prompts: list[list[int]], ref
     engines = [EngineServer(model, free_port(), role=None, kv_config=nixl_config(), log=root / f"nixl{i}.log",
                             max_model_len=8192,
                             env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}) for i in range(2)]
+                                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                                 **(decode_cpus_env() if i == 1 else {})}) for i in range(2)]
     out: dict[str, Any] = {"decode_ttft_s": [], "equal": [], "diffs": []}
     with _engines(engines):
         pre, dec = engines
@@ -475,7 +477,10 @@ def run(opts: SuiteOptions, progress: Callable[[str], None] | None = None) -> Re
                             "127.0.0.1 (TCP; every save written through)") if o.shm else
                            "kvport serve on 127.0.0.1 (TCP): the prefill engine writes, the decode engine reads",
                       proxy="kvport proxy (OpenAI API)", server_capacity_bytes=SERVER_CAPACITY,
-                      threads="VLLM_CPU_OMP_THREADS_BIND=0, VLLM_CPU_NUM_OF_RESERVED_CPU=0 for every engine")
+                      threads=("VLLM_CPU_NUM_OF_RESERVED_CPU=0 for every engine; VLLM_CPU_OMP_THREADS_BIND (a CPU "
+                               "list) 0 for the colocated and every prefill engine, "
+                               f"{decode_cpus_env().get('VLLM_CPU_OMP_THREADS_BIND', '0')} for every decode engine "
+                               "(kvport's and the peer's)"))
     kv_bytes = _kv_bytes(model, o.prompt_tokens)
     keep = opts.extra.get("keep")  # a folder for the engines' logs (else a temporary one)
     with stop_on_sigterm(), TemporaryDirectory(prefix="kvport-bench-pd-") as tmp:

@@ -38,6 +38,7 @@ from kvport.engines.vllm.deploy import (
     EngineServer,
     KVPortServer,
     ProxyServer,
+    decode_cpus_env,
     free_port,
     stop_on_sigterm,
     wait_all,
@@ -76,7 +77,8 @@ def run(users: int, rounds: int, max_new_tokens: int, json_path: Path | None, co
         srv = KVPortServer(root / "kvport-serve.log", ("--capacity", "2GiB")).start()
         extra = {"kvport_server": f"127.0.0.1:{srv.port}", "kvport_disk_dir": shared, "kvport_disk_capacity": "2 GiB"}
         pre = EngineServer(model, free_port(), role="kv_producer", extra=extra, log=root / "prefill.log")
-        dec = EngineServer(model, free_port(), role="kv_consumer", extra=extra, log=root / "decode.log")
+        dec = EngineServer(model, free_port(), role="kv_consumer", extra=extra, log=root / "decode.log",
+                           env=decode_cpus_env())
         proxy: ProxyServer | None = None
         turns: list[VllmTurn] = []
         t_start = time.perf_counter()

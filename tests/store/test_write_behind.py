@@ -91,6 +91,30 @@ def test_the_queue_is_bounded_a_put_past_it_waits_for_the_writer() -> None:
         store.close()
 
 
+def test_a_put_waits_no_longer_than_max_wait_then_the_newest_copies_are_dropped_callbacks_kept() -> None:
+    below = GatedTier(HostTier(64 * BLOCK, BLOCK, name="shared"))
+    store = two_tiers(below)
+    assert store._behind is not None
+    store._behind.max_pending_bytes, store._behind.max_wait_s = 2 * BLOCK, 0.3
+    ran: list[int] = []
+    try:
+        before = sample("store_behind_dropped_total", {"tier": "shared"}) or 0.0
+        store.put_many([(k(i), val(i)) for i in range(2)])  # the writer sticks on k(0)
+        assert below.entered.acquire(timeout=10)
+        store.after_writes(lambda: ran.append(1))
+        store.put(k(7), val(7))  # over the bound with the writer stuck: waits 0.3 s, then sheds k(7)'s copy
+        assert (sample("store_behind_dropped_total", {"tier": "shared"}) or 0.0) - before == 1
+        dst = bytearray(BLOCK)
+        assert store.get_into(k(7), dst) == BLOCK and bytes(dst) == val(7)  # the put itself is whole
+        below.gate.set()
+        assert store.flush_behind(10)
+        assert ran == [1]  # the callback queued before the shed still ran, after the blocks before it
+        assert store.where(k(1)) == ("host", "shared") and store.where(k(7)) == ("host",)
+    finally:
+        below.gate.set()
+        store.close()
+
+
 def test_a_tier_below_that_fails_loses_only_its_copy_counted() -> None:
     below = FaultTier(HostTier(64 * BLOCK, BLOCK, name="shared"))
     store = two_tiers(below)

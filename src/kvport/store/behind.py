@@ -6,9 +6,11 @@ each block from the tier above into it. What that buys: a put costs the fast tie
 (a vLLM engine's save: the shared /dev/shm folder), while the slow one (the kvport server over TCP)
 fills in behind.
 
-* **Bounded**: the queue holds keys, not bytes (the writer reads each block back from the tier above),
-  and at most ``max_pending_bytes`` of blocks; a put past that waits for the writer (backpressure:
-  the copy below never falls further behind than that).
+* **Bounded, in bytes and in time**: the queue holds keys, not bytes (the writer reads each block
+  back from the tier above), and at most ``max_pending_bytes`` of blocks. A put past that waits for
+  the writer (backpressure: the copy below never falls further behind than that), but at most
+  ``max_wait_s``: then the newest copies over the bound are dropped and counted, and the put goes on
+  (a slow tier below costs its own copies, never a stalled engine step).
 * **Best effort, like THROUGH**: a block that left the store before its turn is skipped; a write the
   tier refuses (full, unavailable) is dropped and counted (``kvport_store_behind_dropped_total``);
   the block stays where it is.
@@ -36,6 +38,7 @@ _DROPPED = metrics.counter("store_behind_dropped", "write-behind copies not made
 _PENDING = metrics.gauge("store_behind_pending_bytes", "bytes of blocks queued for write-behind", ["tier"])
 
 DEFAULT_MAX_PENDING_BYTES = 512 << 20
+DEFAULT_MAX_WAIT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +54,11 @@ class WriteBehind:
     the tier above, write it to ``tier``); it must not raise for one bad block."""
 
     def __init__(self, copy: Callable[[str, Sequence[bytes]], None],
-                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES, name: str = "kvport-write-behind") -> None:
+                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES, max_wait_s: float = DEFAULT_MAX_WAIT_S,
+                 name: str = "kvport-write-behind") -> None:
         self._copy = copy
         self.max_pending_bytes = max_pending_bytes
+        self.max_wait_s = max_wait_s
         self._jobs: collections.deque[_Job] = collections.deque()
         self._cond = threading.Condition()
         self._pending = 0
@@ -61,7 +66,6 @@ class WriteBehind:
         self._closed = False
         self._name = name
         self._thread: threading.Thread | None = None
-        self.written_jobs = 0
 
     @property
     def pending_bytes(self) -> int:
@@ -84,10 +88,24 @@ class WriteBehind:
             self._cond.notify_all()
 
     def wait_room(self, nbytes: int = 0) -> None:
-        """Wait until ``nbytes`` more fit under ``max_pending_bytes`` (or the queue is empty)."""
+        """Wait until ``nbytes`` more fit under ``max_pending_bytes`` (or the queue is empty), at most
+        ``max_wait_s``; past that, drop the newest queued copies until they fit (callbacks stay)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._closed or self._pending == 0
-                                or self._pending + nbytes <= self.max_pending_bytes)
+            if self._cond.wait_for(lambda: self._closed or self._pending == 0
+                                   or self._pending + nbytes <= self.max_pending_bytes, self.max_wait_s):
+                return
+            kept: collections.deque[_Job] = collections.deque()
+            while self._jobs and self._pending + nbytes > self.max_pending_bytes:
+                job = self._jobs.pop()
+                if job.then is not None:
+                    kept.appendleft(job)
+                    continue
+                self._pending -= job.nbytes
+                _DROPPED.labels(job.tier).inc(len(job.keys))
+                _PENDING.labels(job.tier).set(self._pending)
+                log.warning("kvport: write-behind to %s %.1f s behind; %d blocks not copied there", job.tier,
+                            self.max_wait_s, len(job.keys))
+            self._jobs.extend(kept)
 
     def after(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the writer thread once every job queued before it is done (at once, on this
@@ -144,7 +162,6 @@ class WriteBehind:
                     self._pending -= job.nbytes
                     if job.tier:
                         _PENDING.labels(job.tier).set(self._pending)
-                    self.written_jobs += 1
                     self._cond.notify_all()
 
     def _copy_job(self, job: _Job) -> None:

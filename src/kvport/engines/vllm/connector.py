@@ -143,7 +143,7 @@ def open_connector_store(cfg: ConnectorConfig, spec: KVSpec) -> TieredStore:
     if cfg.server is not None:
         server = ClientConfig(host=cfg.server[0], port=cfg.server[1], tenant=cfg.server_tenant,
                               token=Settings.from_env().auth_token, timeout_s=10.0)
-    lower = any([cfg.host_capacity_bytes > 0, cfg.disk_dir is not None])
+    lower = cfg.host_capacity_bytes > 0 or cfg.disk_dir is not None
     below = ("shared",) if server is not None and lower else ()
     return open_store(StoreConfig(
         block_bytes=stored_bytes(spec), host_bytes=cfg.host_capacity_bytes, disk_dir=cfg.disk_dir,

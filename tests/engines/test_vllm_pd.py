@@ -73,6 +73,7 @@ class Deployment:
     proxy: subprocess.Popen[bytes]
     proxy_url: str
     root: Path
+    inbox: str  # the decode engine's kvport_pd_inbox
 
     def reference(self, body: dict[str, Any], tag: str) -> dict[str, Any]:
         """The decode engine computing the request from scratch: its own salt misses every cache."""
@@ -82,15 +83,16 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def pd(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    from kvport.engines.vllm.deploy import EngineServer, free_port
+    from kvport.engines.vllm.deploy import EngineServer, free_port, listen_port
 
     root = tmp_path_factory.mktemp("pd")
     server = ServerProc(base_args("1GiB")).start()
     extra = {"kvport_server": f"127.0.0.1:{server.port}", "kvport_pd_lease_s": LEASE_S}
     pre = EngineServer(model_dir, free_port(), role="kv_producer", extra=extra, log=root / "prefill.log",
                        max_model_len=2048)
-    dec = EngineServer(model_dir, free_port(), role="kv_consumer", extra=extra, log=root / "decode.log",
-                       max_model_len=2048)
+    inbox = f"127.0.0.1:{listen_port()}"
+    dec = EngineServer(model_dir, free_port(), role="kv_consumer", extra={**extra, "kvport_pd_inbox": inbox},
+                       log=root / "decode.log", max_model_len=2048)
     proxy = None
     try:
         pre.start()
@@ -99,7 +101,8 @@ def pd(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[De
         dec.wait_healthy(400)
         port = free_port()
         proxy = subprocess.Popen([sys.executable, "-m", "kvport.cli.proxy_cmd", "--listen", f"127.0.0.1:{port}",
-                                  "--prefill", pre.url, "--decode", dec.url, "--prefill-timeout", "60"],
+                                  "--prefill", pre.url, "--decode", dec.url, "--decode-inbox", inbox,
+                                  "--prefill-timeout", "60"],
                                  stderr=(root / "proxy.log").open("wb"), env={**os.environ, "KVPORT_LOG_LEVEL": "INFO"})
         url = f"http://127.0.0.1:{port}"
         for _ in range(100):
@@ -108,7 +111,7 @@ def pd(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[De
                 break
             except OSError:
                 time.sleep(0.1)
-        yield Deployment(server, pre, dec, proxy, url, root)
+        yield Deployment(server, pre, dec, proxy, url, root, inbox)
     finally:
         if proxy is not None:
             proxy.terminate()
@@ -169,9 +172,11 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return bool(ca["text"] == cb["text"] and max(abs(x - y) for x, y in zip(la, lb, strict=True)) < 1e-4)
 
 
-def _prefill(pd: Deployment, prompt: list[int]) -> dict[str, Any]:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-            "kv_transfer_params": {"do_remote_decode": True}}
+def _prefill(pd: Deployment, prompt: list[int], dest: str | None = None) -> dict[str, Any]:
+    ask: dict[str, Any] = {"do_remote_decode": True}
+    if dest is not None:
+        ask["kvport_dest"] = dest
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "kv_transfer_params": ask}
     out = _post(pd.prefill.url + "/v1/completions", body)
     params: dict[str, Any] = out["kv_transfer_params"]
     return params
@@ -231,6 +236,52 @@ def test_bad_hand_offs_are_recomputed_never_a_wrong_token_and_the_reason_is_logg
     for why in ("the KV was never sent", "block_size is 16 there, 32 here", "revision is 'another-revision' there",
                 "dtype is 'bf16' there", "384 tokens handed over, 192 found", f"block {keys[5].hex()} refused"):
         assert why in text, why
+
+
+def test_a_streamed_hand_off_lands_in_the_decode_engine_and_only_its_own_stream_is_linked(pd: Deployment,
+                                                                                         model_dir: Path) -> None:
+    body = {"max_tokens": 8, "temperature": 0.0, "logprobs": 1, "model": MODEL}
+    n = lambda p: (len(p) - 1) // BLOCK * BLOCK  # noqa: E731  # tokens a hand-off carries
+    # streamed layer by layer into the decode engine's inbox during the prefill: every token loaded from it
+    p = _prompt(11, 900)
+    committed = _metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="committed")
+    params = _prefill(pd, p, pd.inbox)
+    assert len(params["kvport"]["stream"]) == 32
+    assert _metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="committed") == committed + 1
+    ext = _external(pd.decode.url)
+    assert _same(_completion(pd, p, params), pd.reference({**body, "prompt": p}, "streamed"))
+    assert _external(pd.decode.url) - ext == n(p)
+    assert _metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="taken") >= 1
+    # the decode engine kept the streamed blocks in the shared tier: any engine's next prefill finds them
+    spec = engine_spec(str(model_dir), dtype="float32", block_size=BLOCK)
+    keys = chain_keys(p, KeyContext(block_size=BLOCK, spec_fingerprint=spec.fingerprint))[: n(p) // BLOCK]
+    tier = pd.server.client()
+    try:
+        deadline = time.monotonic() + 15
+        while not all(tier.contains_many(keys)):
+            assert time.monotonic() < deadline, "the streamed blocks never reached the shared tier"
+            time.sleep(0.05)
+    finally:
+        tier.close()
+    # a request naming another stream (a guessed or replayed id) links nothing streamed: recomputed
+    q = _prompt(12)
+    params = _prefill(pd, q, pd.inbox)
+    params["kvport"]["stream"] = "0" * 32
+    partial = _metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="partial")
+    assert _same(_completion(pd, q, params), pd.reference({**body, "prompt": q}, "other-stream"))
+    assert _metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="partial") == partial + 1
+    assert "never reached this decode engine" in (pd.root / "decode.log").read_text(errors="replace")
+    # an inbox nobody listens on: the producer saves to the store instead, and the decode engine loads from there
+    from kvport.engines.vllm.deploy import free_port
+
+    r = _prompt(13)
+    failed = _metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="failed")
+    params = _prefill(pd, r, f"127.0.0.1:{free_port()}")
+    ext = _external(pd.decode.url)
+    assert _same(_completion(pd, r, params), pd.reference({**body, "prompt": r}, "no-inbox"))
+    assert _external(pd.decode.url) - ext == n(r)
+    assert _metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="failed") == failed + 1
+    assert "saved to the store instead" in (pd.root / "prefill.log").read_text(errors="replace")
 
 
 def test_a_hand_off_lease_lapses_and_leaves_nothing_held(pd: Deployment) -> None:

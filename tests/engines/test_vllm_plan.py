@@ -147,7 +147,7 @@ def test_an_async_hit_is_handed_to_the_next_step_with_the_blocks_vllm_allocated_
     assert pl.lookup("r", p, 4) == 8  # block 0 in vLLM's own cache, blocks 1-2 from the store
     pl.after_alloc("r", 8, block_ids=[7, 3, 9, 1])  # all of the request's blocks, local ones first
     plan = pl.step([])  # the request waits for its KV: not scheduled, its load goes out anyway
-    assert plan.async_loads == (BlockCopy("r", (keys[1], keys[2]), (3, 9)),) and plan.loads == ()
+    assert plan.async_loads == (BlockCopy("r", (keys[1], keys[2]), (3, 9), keys[0]),) and plan.loads == ()
     assert pl.step([]).async_loads == ()  # handed out once
     # scheduled once loaded: no load again, nothing to save (every full block came from the store)
     plan = pl.step([ScheduledRequest("r", 12, 2, [7, 3, 9, 1], True)])

@@ -79,6 +79,7 @@ from kvport.engines.vllm.deploy import (
     ProxyServer,
     decode_cpus_env,
     free_port,
+    listen_port,
     nixl_config,
     stop_on_sigterm,
     wait_all,
@@ -160,6 +161,9 @@ def metric(url: str, name: str, **labels: str) -> float:
 def prompt_tokens(url: str, source: str) -> float:
     """vLLM's count of prompt tokens by source: local_compute, local_cache_hit, external_kv_transfer."""
     return metric(url, "vllm:prompt_tokens_by_source_total", source=source)
+
+
+SAVE_OPS = ("save", "stream")  # a producer's time in its steps: store saves, and streamed hand-offs
 
 
 def connector_seconds(url: str, *ops: str) -> float:
@@ -306,14 +310,15 @@ def _pd_phase(model: Path, root: Path, o: _Opts, prompts: list[list[int]], chats
         extra.update(kvport_disk_dir=shared.name, kvport_disk_capacity="4 GiB")
     pre = [EngineServer(model, free_port(), role="kv_producer", extra=extra, log=root / f"prefill{i}.log",
                         max_model_len=8192) for i in range(2)]
-    dec = EngineServer(model, free_port(), role="kv_consumer", extra=extra, log=root / "decode.log",
-                       max_model_len=8192, env=decode_cpus_env())
+    inbox = f"127.0.0.1:{listen_port()}"  # the hand-off streamed into the decode engine during the prefill
+    dec = EngineServer(model, free_port(), role="kv_consumer", extra={**extra, "kvport_pd_inbox": inbox},
+                       log=root / "decode.log", max_model_len=8192, env=decode_cpus_env())
     res: dict[str, Any] = {}
     try:
         with _engines([*pre, dec]):
-            proxy = ProxyServer([e.url for e in pre], [dec.url], root / "proxy.log").start()
+            proxy = ProxyServer([e.url for e in pre], [dec.url], root / "proxy.log", decode_inbox=[inbox]).start()
             try:
-                res = _pd_measure(o, prompts, chats, ref, pre, dec, proxy)
+                res = _pd_measure(o, prompts, chats, ref, pre, dec, proxy, inbox)
             finally:
                 proxy.stop()
     finally:
@@ -326,27 +331,30 @@ def _pd_phase(model: Path, root: Path, o: _Opts, prompts: list[list[int]], chats
     return res
 
 
-def _handoff(pre: EngineServer, dec: EngineServer, prompt: list[int], max_tokens: int) -> tuple[Answer, Answer]:
+def _handoff(pre: EngineServer, dec: EngineServer, prompt: list[int], max_tokens: int,
+             inbox: str | None) -> tuple[Answer, Answer]:
+    ask: dict[str, Any] = {"do_remote_decode": True} if inbox is None else {"do_remote_decode": True,
+                                                                           "kvport_dest": inbox}
     t = request(pre.url + "/v1/completions", {**completion_body(prompt, 1), "stream": False, "stream_options": None,
-                                              "kv_transfer_params": {"do_remote_decode": True}})
+                                              "kv_transfer_params": ask})
     body = completion_body(prompt, max_tokens, kv_transfer_params=t.kv_transfer_params)
     d = request(dec.url + "/v1/completions", body)
     return t, d
 
 
 def _pd_measure(o: _Opts, prompts: list[list[int]], chats: list[list[dict[str, str]]], ref: dict[str, Any],
-                pre: list[EngineServer], dec: EngineServer, proxy: ProxyServer) -> dict[str, Any]:
+                pre: list[EngineServer], dec: EngineServer, proxy: ProxyServer, inbox: str) -> dict[str, Any]:
     for i, w in enumerate(_warmups(o)):  # every engine's first long prompts, and loads, are slow
-        _handoff(pre[0], dec, w, 2)
-        _handoff(pre[1], dec, w[::-1], 2)
+        _handoff(pre[0], dec, w, 2, inbox)
+        _handoff(pre[1], dec, w[::-1], 2, inbox)
         request(dec.url + "/v1/completions", completion_body(w[1:], 2, cache_salt=f"warm{i}"))
     res: dict[str, Any] = {"prefill_s": [], "decode_ttft_s": [], "decode_ttft_local_s": [], "prompt_equal": [],
                            "diffs": []}
     res["moved_s"], res["save_s"], res["load_s"] = [], [], []
     for p, r in zip(prompts, ref["prompts"], strict=True):
-        save0, load0 = connector_seconds(pre[0].url, "save"), connector_seconds(dec.url, "load", "load_async")
-        pf, d = _handoff(pre[0], dec, p, 16)
-        res["save_s"].append(connector_seconds(pre[0].url, "save") - save0)
+        save0, load0 = connector_seconds(pre[0].url, *SAVE_OPS), connector_seconds(dec.url, "load", "load_async")
+        pf, d = _handoff(pre[0], dec, p, 16, inbox)
+        res["save_s"].append(connector_seconds(pre[0].url, *SAVE_OPS) - save0)
         res["load_s"].append(connector_seconds(dec.url, "load", "load_async") - load0)
         res["moved_s"].append(res["save_s"][-1] + res["load_s"][-1])
         again = request(dec.url + "/v1/completions", completion_body(p, 16, kv_transfer_params=pf.kv_transfer_params))
@@ -446,9 +454,9 @@ def _peer_phase(model: Path, root: Path, o: _Opts, prompts: list[list[int]], ref
     with _engines(engines):
         pre, dec = engines
         for w in _warmups(o):
-            _handoff(pre, dec, w, 2)
+            _handoff(pre, dec, w, 2, None)
         for p, r in zip(prompts, ref["prompts"], strict=True):
-            _, d = _handoff(pre, dec, p, 16)
+            _, d = _handoff(pre, dec, p, 16, None)
             ok, diff = same_answer(d, r)
             out["decode_ttft_s"].append(d.ttft_s)
             out["equal"].append(ok)

@@ -14,7 +14,7 @@ from kvport.cli._params import as_seconds
 from kvport.cli._run import run_click, setup_logging
 from kvport.cli.serve_cmd import parse_listen
 from kvport.config import Settings
-from kvport.errors import UserInputError
+from kvport.errors import ConfigError, UserInputError
 from kvport.protocol.net import is_loopback
 
 
@@ -24,12 +24,15 @@ from kvport.protocol.net import is_loopback
               help="a prefill engine (vllm serve with kv_role kv_producer), e.g. http://127.0.0.1:8100; repeatable")
 @click.option("--decode", "decode", multiple=True, required=True, metavar="URL",
               help="a decode engine (vllm serve with kv_role kv_consumer); repeatable")
+@click.option("--decode-inbox", "decode_inbox", multiple=True, metavar="HOST:PORT",
+              help="a decode engine's kvport_pd_inbox, one per --decode in the same order: prefill engines "
+                   "stream the KV there layer by layer during the prefill; repeatable")
 @click.option("--prefill-timeout", default=300.0, show_default=True, type=float, callback=as_seconds,
               help="seconds a prefill may take before the decode engine computes the prompt itself")
 @click.option("--decode-timeout", default=600.0, show_default=True, type=float, callback=as_seconds,
               help="seconds a whole answer may take")
-def proxy_cmd(listen: str, prefill: tuple[str, ...], decode: tuple[str, ...], prefill_timeout: float,
-              decode_timeout: float) -> None:
+def proxy_cmd(listen: str, prefill: tuple[str, ...], decode: tuple[str, ...], decode_inbox: tuple[str, ...],
+              prefill_timeout: float, decode_timeout: float) -> None:
     """Serve /v1/completions and /v1/chat/completions: prefill on one engine, decode on another."""
     for flag, urls in (("--prefill", prefill), ("--decode", decode)):
         for url in urls:
@@ -42,8 +45,12 @@ def proxy_cmd(listen: str, prefill: tuple[str, ...], decode: tuple[str, ...], pr
                              "(every request must then carry it as a bearer token)")
     from kvport.engines.vllm.proxy import ProxyConfig, serve_proxy
 
-    cfg = ProxyConfig(prefill=prefill, decode=decode, host=host, port=port, auth_token=token,
-                      prefill_timeout_s=prefill_timeout, decode_timeout_s=decode_timeout)
+    try:
+        cfg = ProxyConfig(prefill=prefill, decode=decode, host=host, port=port, auth_token=token,
+                          prefill_timeout_s=prefill_timeout, decode_timeout_s=decode_timeout,
+                          decode_inbox=decode_inbox)
+    except ConfigError as exc:
+        raise UserInputError(str(exc)) from exc
     asyncio.run(serve_proxy(cfg))
 
 

@@ -40,6 +40,7 @@ from kvport.engines.vllm.deploy import (
     ProxyServer,
     decode_cpus_env,
     free_port,
+    listen_port,
     stop_on_sigterm,
     wait_all,
 )
@@ -77,8 +78,9 @@ def run(users: int, rounds: int, max_new_tokens: int, json_path: Path | None, co
         srv = KVPortServer(root / "kvport-serve.log", ("--capacity", "2GiB")).start()
         extra = {"kvport_server": f"127.0.0.1:{srv.port}", "kvport_disk_dir": shared, "kvport_disk_capacity": "2 GiB"}
         pre = EngineServer(model, free_port(), role="kv_producer", extra=extra, log=root / "prefill.log")
-        dec = EngineServer(model, free_port(), role="kv_consumer", extra=extra, log=root / "decode.log",
-                           env=decode_cpus_env())
+        inbox = f"127.0.0.1:{listen_port()}"  # where the prefill engine streams each hand-off, layer by layer
+        dec = EngineServer(model, free_port(), role="kv_consumer", extra={**extra, "kvport_pd_inbox": inbox},
+                           log=root / "decode.log", env=decode_cpus_env())
         proxy: ProxyServer | None = None
         turns: list[VllmTurn] = []
         t_start = time.perf_counter()
@@ -86,7 +88,7 @@ def run(users: int, rounds: int, max_new_tokens: int, json_path: Path | None, co
             pre.start()
             dec.start()
             wait_all([pre, dec])
-            proxy = ProxyServer([pre.url], [dec.url], root / "proxy.log").start()
+            proxy = ProxyServer([pre.url], [dec.url], root / "proxy.log", decode_inbox=[inbox]).start()
             console.print(f"engines up in {time.perf_counter() - t_start:.0f} s; proxy at {proxy.url}/v1")
             request(proxy.url + "/v1/chat/completions",  # warm-up: an engine's first requests are slow
                     chat_body([{"role": "user", "content": "Hello!"}], 4))

@@ -499,8 +499,12 @@ class LayerStreamer:
         self._q.put((layer, blocks))
 
     def finish(self, timeout_s: float | None = 60.0) -> None:
+        """Send TRANSFER_END once every pushed layer went out; ``timeout_s`` bounds each of the two
+        waits (the layers still queued, then the receiver's commit): PeerError past it."""
         self._q.put(None)
-        self._thread.join()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise PeerError(f"transfer {self.h.tid}: layers still unsent after {timeout_s} s")
         if self._error is not None:
             raise self._error
         self.sender.end(self.h, timeout_s)

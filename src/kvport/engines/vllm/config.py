@@ -20,6 +20,16 @@ Keys (all optional except a store location: a disk folder, a kvport server, or b
     kvport_pd_lease_s      a producer (kv_role kv_producer) leases a request's blocks
                            in the shared tier for this long when it hands them to a
                            decode engine; the decode engine's load must come by then  (30)
+    kvport_pd_inbox        a decode engine (kv_consumer) listens here, HOST:PORT, for
+                           hand-offs streamed layer by layer during the prefill
+                           (kvport.engines.vllm.stream); loopback unless
+                           KVPORT_AUTH_TOKEN is set (the link's shared secret)     (none)
+    kvport_pd_inbox_tokens tokens the decode engine's inbox holds (preallocated); a
+                           transfer that does not fit is refused and the producer
+                           saves to the store instead                              (8192)
+    kvport_pd_stream       a producer streams a request's prompt to the inbox its
+                           kv_transfer_params name (``kvport_dest``, set by the
+                           proxy), instead of saving it for the decode engine        (true)
     kvport_idle_spin_ms    cap vLLM's one-second busy-poll of its engine-core <-> worker
                            queue after each message (kvport.engines.vllm.spin): set
                            it when engines share a host's cores                       (vLLM's)
@@ -58,8 +68,10 @@ _KNOWN = frozenset({
     "kvport_disk_dir", "kvport_disk_capacity", "kvport_staging_tokens", "kvport_model_revision",
     "kvport_expect_spec", "kvport_tenant_salt", "kvport_profile", "kvport_load_deadline",
     "kvport_server", "kvport_server_tenant", "kvport_host_capacity", "kvport_save_generated", "kvport_pd_lease_s",
-    "kvport_async_handoff", "kvport_idle_spin_ms", "kvport_server_write",
+    "kvport_async_handoff", "kvport_idle_spin_ms", "kvport_server_write", "kvport_pd_inbox",
+    "kvport_pd_inbox_tokens", "kvport_pd_stream",
 })
+DEFAULT_INBOX_TOKENS = 8192
 DEFAULT_DISK_CAPACITY = 8 * 1024**3
 DEFAULT_STAGING_TOKENS = 2048
 
@@ -82,6 +94,9 @@ class ConnectorConfig:
     pd_lease_s: float = 30.0
     async_handoff: bool = True
     idle_spin_s: float | None = None  # None: vLLM's own busy-poll window (1 s)
+    pd_inbox: tuple[str, int] | None = None  # decode engine: where streamed hand-offs arrive
+    pd_inbox_tokens: int = DEFAULT_INBOX_TOKENS
+    pd_stream: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -120,6 +135,13 @@ class ConnectorConfig:
         spin = cfg.get("kvport_idle_spin_ms")
         if spin is not None and (isinstance(spin, bool) or not isinstance(spin, int | float) or not 0 <= spin <= 1000):
             raise ConfigError(f"kvport_idle_spin_ms must be milliseconds in [0, 1000], got {spin!r}")
+        inbox = _server(cfg.get("kvport_pd_inbox"), "kvport_pd_inbox", allow_port0=True)
+        inbox_tokens = cfg.get("kvport_pd_inbox_tokens", DEFAULT_INBOX_TOKENS)
+        if not isinstance(inbox_tokens, int) or isinstance(inbox_tokens, bool) or not 0 < inbox_tokens <= 1 << 24:
+            raise ConfigError(f"kvport_pd_inbox_tokens must be a positive integer, got {inbox_tokens!r}")
+        stream = cfg.get("kvport_pd_stream", True)
+        if not isinstance(stream, bool):
+            raise ConfigError(f"kvport_pd_stream must be true or false, got {stream!r}")
         staging = cfg.get("kvport_staging_tokens", DEFAULT_STAGING_TOKENS)
         if not isinstance(staging, int) or isinstance(staging, bool) or staging <= 0:
             raise ConfigError(f"kvport_staging_tokens must be a positive integer, got {staging!r}")
@@ -153,6 +175,7 @@ class ConnectorConfig:
             host_capacity_bytes=host, save_generated=save_generated,
             pd_lease_s=float(lease), async_handoff=async_handoff,
             idle_spin_s=None if spin is None else spin / 1000.0,
+            pd_inbox=inbox, pd_inbox_tokens=inbox_tokens, pd_stream=stream,
             disk_capacity_bytes=capacity,
             staging_tokens=staging,
             model_revision=revision,
@@ -161,10 +184,10 @@ class ConnectorConfig:
         )
 
 
-def _server(value: Any) -> tuple[str, int] | None:
+def _server(value: Any, name: str = "kvport_server", allow_port0: bool = False) -> tuple[str, int] | None:
     if value is None:
         return None
     host, sep, port = str(value).rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"kvport_server must be HOST:PORT, got {value!r}")
+    if not sep or not host or not port.isdigit() or not (0 if allow_port0 else 1) <= int(port) < 65536:
+        raise ConfigError(f"{name} must be HOST:PORT, got {value!r}")
     return host.strip("[]"), int(port)

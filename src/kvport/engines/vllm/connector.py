@@ -69,6 +69,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvport.extras import require
@@ -104,7 +105,8 @@ from .identity import check_expected, engine_spec
 from .paged import PagedKV
 from .plan import BlockCopy, HandOff, Planner, ScheduledRequest, StepPlan
 from .spin import limit_idle_spin
-from .worker import AsyncLoads, BlockMover, WorkerStats
+from .stream import DEST_KEY, Inbox, InboxServer, StreamOut, is_stream_id, new_stream_id, parse_dest
+from .worker import SECONDS, AsyncLoads, BackgroundSaver, BlockMover, WorkerStats
 
 require("vllm", __name__)  # another release that imports is refused too: hooks and layouts change between them
 
@@ -203,10 +205,15 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.consumes = role in ("kv_consumer", "kv_both")
         self.engine_label = f"{role}:{self._kv_transfer_config.engine_id}"
         self._async_reqs: set[str] = set()  # scheduler side: hand-offs answered with load_kv_async
+        self._stream_tried: set[str] = set()  # scheduler side: hand-offs whose stream was already taken
         self.async_loads: AsyncLoads | None = None  # worker side
         self._async_failed: set[int] = set()  # worker side: reported with the requests get_finished ends
         self._sent: set[str] = set()  # worker side: hand-offs committed, reported by the next get_finished
         self._sent_lock = threading.Lock()
+        self.streams: StreamOut | None = None  # worker side, producer: hand-offs streamed layer by layer
+        self.inbox: Inbox | None = None  # worker side, decode engine: where they arrive
+        self.inbox_server: InboxServer | None = None
+        self.saver: BackgroundSaver | None = None  # worker side, producer: the store saves of streamed blocks
 
     # ================================================================ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -214,6 +221,10 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         tokens = request.all_token_ids if self.cfg.save_generated else None
         n = self.planner.lookup(request.request_id, prompt, num_computed_tokens, request_salt(request), tokens)
         handed = _remote_params(request)
+        if handed.get("do_remote_decode") and self.produces and self.cfg.pd_stream:
+            dest = parse_dest(handed.get(DEST_KEY))
+            if dest is not None and self.planner.streamed(request.request_id) is None:
+                self.planner.stream_to(request.request_id, new_stream_id(), dest)
         if handed.get("do_remote_prefill") and self.consumes:
             n = self._check_handed(request, handed, num_computed_tokens, n)
             # the prefill engine computed these: no cost gate (recomputing is what PD avoids); loaded in
@@ -249,6 +260,16 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return 0
         want = min(tokens, max(0, len(request.prompt_token_ids or []) - 1) // self.spec.block_size
                    * self.spec.block_size) - local
+        stream = kv.get("stream")
+        if isinstance(stream, str) and is_stream_id(stream) and want > 0 and self.cfg.async_handoff \
+                and self.cfg.pd_inbox is not None and rid not in self._stream_tried:
+            # once: a load that failed comes back here for the rest, which the store has or vLLM computes
+            self._stream_tried.add(rid)
+            # streamed to this engine's inbox during the prefill: the worker takes it from there (the
+            # store for what the stream lacks; recomputed what neither has, the reason logged)
+            self.planner.expect_stream(rid, local + want, stream)
+            self._pd("streamed", rid)
+            return want
         if hit < want:
             self._pd("missing", rid, f"{want} tokens handed over, {hit} found in the store (evicted, lapsed "
                                       "or never written)")
@@ -291,15 +312,20 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         so nothing evicts them before the decode engine loads them; only then does ``get_finished``
         report the request as sent and vLLM frees its blocks (delay_free until the commit)."""
         rid = request.request_id
+        self._stream_tried.discard(rid)
         try:
             if not (self.produces and _remote_params(request).get("do_remote_decode")):
                 return False, None
+            # streamed: the decode engine's inbox committed the blocks in the steps that computed them, and
+            # the background saver keeps them in the store (a failed stream was saved in its step)
+            stream = self.planner.streamed(rid)
             shared = isinstance(self.store.tiers.get("shared"), RemoteTier)
             keys = self.planner.hand_off(rid, self.cfg.pd_lease_s) if shared else self.planner.prompt_keys(rid)
             params = {"do_remote_prefill": True, "do_remote_decode": False,
                       PD_KEY: {"v": PD_VERSION, "tokens": len(keys) * self.spec.block_size,
                                "last_key": keys[-1].hex() if keys else None, "spec": self.spec.as_dict(),
-                               "engine": self.engine_label, "lease_s": self.cfg.pd_lease_s if shared else None}}
+                               "engine": self.engine_label, "lease_s": self.cfg.pd_lease_s if shared else None,
+                               "stream": stream}}
             return shared, params
         finally:
             self.planner.finish(rid)
@@ -309,14 +335,35 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         paged = PagedKV(kv_caches, self.spec)
         staging = max(1, -(-self.cfg.staging_tokens // self.spec.block_size))
         self.mover = BlockMover(self.spec, self.store, paged, staging, self.cfg.load_deadline)
+        token = Settings.from_env().auth_token
+        secret = token.encode() if token else None
+        if self.consumes and self.cfg.pd_inbox is not None:
+            blocks = max(1, -(-self.cfg.pd_inbox_tokens // self.spec.block_size))
+            self.inbox = Inbox(self.spec, blocks, self.mover.format.header_len, ttl_s=self.cfg.pd_lease_s)
+            self.inbox_server = InboxServer(self.inbox, *self.cfg.pd_inbox, secret=secret)
+            log.info("kvport: decode engine's inbox on %s (%d blocks)", self.inbox_server.address, blocks)
+        if self.produces and self.cfg.pd_stream:
+            self.streams = StreamOut(self.spec, paged, secret)
+            self.saver = BackgroundSaver(self.spec, self.store, paged, 2 * staging)
         if self.consumes and self.cfg.async_handoff:
-            self.async_loads = AsyncLoads(self.spec, self.store, paged, staging, self.cfg.load_deadline)
+            self.async_loads = AsyncLoads(self.spec, self.store, paged, staging, self.cfg.load_deadline, self.inbox)
 
     def _plan(self) -> StepPlan | None:
         if self.mover is None or not self.has_connector_metadata():
             return None
         meta = self._get_connector_metadata()
         return meta.plan if isinstance(meta, KVPortMetadata) else None
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step's forward (vLLM calls ``start_load_kv`` after it when the step has no
+        synchronous load): the step's streamed hand-offs begin here, so each layer goes out as the
+        forward computes it."""
+        super().bind_connector_metadata(connector_metadata)
+        plan = connector_metadata.plan if isinstance(connector_metadata, KVPortMetadata) else None
+        if plan is not None and plan.streams and self.streams is not None:
+            t0 = time.perf_counter()
+            self.streams.begin(plan.streams)
+            SECONDS.labels(op="stream").inc(time.perf_counter() - t0)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
@@ -327,7 +374,11 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 raise EngineError("asynchronous loads planned, but this worker has no async loader")
             self.async_loads.submit(plan.async_loads)
         for h in () if plan is None else plan.handoffs:  # after every save queued so far reached the server
-            self.store.after_writes(functools.partial(self._commit_handoff, h))
+            commit = functools.partial(self.store.after_writes, functools.partial(self._commit_handoff, h))
+            if self.saver is not None:  # the background saves first: they are queued behind it
+                self.saver.after(commit)
+            else:
+                commit()
 
     def _commit_handoff(self, h: HandOff) -> None:
         """Lease a hand-off's blocks in the shared tier, then report the request as sent (always: a
@@ -356,15 +407,30 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.mover.load_layer(layer)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # saves run in wait_for_save, once every layer of the step is final (module docstring)
+        """Streamed hand-offs: this layer of their blocks goes out now (:mod:`.stream`); store saves run
+        in wait_for_save, once every layer of the step is final (module docstring)."""
+        if self.streams is not None and self.streams.active and self.mover is not None:
+            layer = self.mover.paged.index_of.get(layer_name)
+            if layer is not None:
+                t0 = time.perf_counter()
+                self.streams.layer(layer)
+                SECONDS.labels(op="stream").inc(time.perf_counter() - t0)
 
     def wait_for_save(self) -> None:
         if self.mover is None:
             return
         self.mover.finish_load()
         plan = self._plan()
-        if plan is not None and plan.saves:
-            self.mover.save(plan.saves)
+        saves = list(plan.saves) if plan is not None else []
+        if self.streams is not None and (self.streams.active or (plan is not None and plan.streams)):
+            t0 = time.perf_counter()
+            committed, failed = self.streams.finish()
+            SECONDS.labels(op="stream").inc(time.perf_counter() - t0)
+            saves += [sc.copy for sc in failed]  # not in the decode engine: saved now, the unstreamed hand-off
+            if committed and self.saver is not None:  # kept in the store too, off the step
+                saves += self.saver.stage([sc.copy for sc in committed])
+        if saves:
+            self.mover.save(saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(sending done, receiving done): the hand-offs committed (leased in the shared tier: vLLM
@@ -389,6 +455,13 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return None if self.mover is None else self.mover.stats
 
     def shutdown(self) -> None:
+        if self.streams is not None:
+            self.streams.close()
+        if self.saver is not None:
+            self.saver.flush()
+            self.saver.close()
+        if self.inbox_server is not None:
+            self.inbox_server.close()
         if self.async_loads is not None:
             self.async_loads.close()
         self.store.close()

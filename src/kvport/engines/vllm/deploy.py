@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -212,6 +213,29 @@ def free_port() -> int:
     raise EngineError("no free port found")
 
 
+def listen_port() -> int:
+    """A free port below the kernel's ephemeral range, for a listener a child process opens later
+    (a decode engine's kvport_pd_inbox): an ephemeral port found free now may be taken meanwhile
+    by any socket the engines bind to port 0 (vLLM opens several), and the engine then fails."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(256):
+        port = rng.randrange(min(20000, low // 2), low)
+        if port in _handed:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed.add(port)
+        return port
+    return free_port()
+
+
 def wait_all(engines: Sequence[EngineServer], timeout_s: float = 400.0) -> None:
     """Engines start in parallel (each ~30-60 s on 2 cores); wait for every one."""
     for e in engines:
@@ -249,12 +273,14 @@ class KVPortServer:
 class ProxyServer:
     """``kvport proxy`` in a child process in front of the given engines."""
 
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str], log: Path, port: int = 0) -> None:
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], log: Path, port: int = 0,
+                 decode_inbox: Sequence[str] = ()) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         self.argv = [sys.executable, "-m", "kvport.cli.proxy_cmd", "--listen", f"127.0.0.1:{self.port}",
-                     *[a for u in prefill for a in ("--prefill", u)], *[a for u in decode for a in ("--decode", u)]]
+                     *[a for u in prefill for a in ("--prefill", u)], *[a for u in decode for a in ("--decode", u)],
+                     *[a for u in decode_inbox for a in ("--decode-inbox", u)]]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 30.0) -> ProxyServer:

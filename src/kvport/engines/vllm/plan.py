@@ -38,6 +38,7 @@ class BlockCopy:
     keys: tuple[BlockKey, ...]
     block_ids: tuple[int, ...]
     parent: BlockKey | None = None  # the block before keys[0] in the chain (None at the root)
+    stream: str | None = None  # a decode engine's load: the streamed hand-off holding the blocks
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.block_ids):
@@ -56,11 +57,24 @@ class HandOff:
 
 
 @dataclass(frozen=True, slots=True)
+class StreamCopy:
+    """Blocks of one request a producer's step streams to a decode engine's inbox (``dest``,
+    HOST:PORT) as they are computed (:mod:`kvport.engines.vllm.stream`); saved to the store instead
+    when the stream fails."""
+
+    stream: str
+    dest: str
+    copy: BlockCopy
+    first_block: int  # index of copy.keys[0] in the request's chain
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     loads: tuple[BlockCopy, ...] = ()
     saves: tuple[BlockCopy, ...] = ()
     async_loads: tuple[BlockCopy, ...] = ()  # loaded in the background; done when get_finished says so
     handoffs: tuple[HandOff, ...] = ()  # committed by the worker (lease, then reported as sent)
+    streams: tuple[StreamCopy, ...] = ()  # sent layer by layer during this step's forward
 
     @property
     def load_blocks(self) -> int:
@@ -78,6 +92,9 @@ class _Request:
     pending_load: tuple[int, int] | None = None  # block range [start, end)
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int = 0  # blocks below this are in the store or were saved by an earlier step
+    stream_out: tuple[str, str] | None = None  # producer: (stream id, decode inbox) its prompt goes to
+    streamed_upto: int = 0  # producer: blocks below this were streamed by earlier steps
+    stream_in: str | None = None  # decode engine: the stream its hand-off arrives in
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +140,7 @@ class Planner:
         request's live token list (prompt + generated), whose later full blocks are saved as well."""
         st = self._state(req_id, prompt, salt)
         st.tokens = tokens
+        st.stream_in = None  # each lookup starts over: expect_stream names the stream again if it is to be used
         limit = min(len(st.keys), max(0, len(prompt) - 1) // self.block_size)
         if self._prefix is not None:
             hit = min(limit, self._prefix(st.keys[:limit])) if limit else 0
@@ -151,11 +169,32 @@ class Planner:
             return
         if b > len(block_ids):
             raise EngineError(f"{req_id}: load needs {b} blocks, vLLM allocated {len(block_ids)}")
-        self._async.append(BlockCopy(req_id, tuple(st.keys[a:b]), tuple(block_ids[a:b])))
+        self._async.append(BlockCopy(req_id, tuple(st.keys[a:b]), tuple(block_ids[a:b]),
+                                     st.keys[a - 1] if a else None, st.stream_in))
+
+    def stream_to(self, req_id: str, stream: str, dest: str) -> None:
+        """A producer's request whose prompt blocks go to a decode engine's inbox as steps compute
+        them, instead of to the store."""
+        st = self._reqs.get(req_id)
+        if st is not None:
+            st.stream_out = (stream, dest)
+
+    def streamed(self, req_id: str) -> str | None:
+        st = self._reqs.get(req_id)
+        return None if st is None or st.stream_out is None else st.stream_out[0]
+
+    def expect_stream(self, req_id: str, tokens: int, stream: str) -> None:
+        """A decode engine's hand-off arriving in ``stream``: its first ``tokens`` tokens load from
+        there (the store is asked only for what the stream lacks)."""
+        st = self._reqs.get(req_id)
+        if st is not None:
+            st.hit_tokens = max(st.hit_tokens, tokens - tokens % self.block_size)
+            st.stream_in = stream
 
     def step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         loads: list[BlockCopy] = []
         saves: list[BlockCopy] = []
+        streams: list[StreamCopy] = []
         for s in scheduled:
             st = self._reqs.get(s.req_id)
             if st is None:
@@ -172,6 +211,16 @@ class Planner:
                     raise EngineError(f"{s.req_id}: load needs {b} blocks, vLLM allocated {len(st.block_ids)}")
                 loads.append(BlockCopy(s.req_id, tuple(st.keys[a:b]), tuple(st.block_ids[a:b])))
             st.saved_upto = max(st.saved_upto, st.hit_tokens // self.block_size)
+            if st.stream_out is not None:  # every prompt block, computed or found: the decode engine's copy
+                upto = min(s.computed_tokens + s.scheduled_tokens, st.num_prompt_tokens) // self.block_size
+                upto = min(upto, len(st.keys), len(st.block_ids))
+                if upto > st.streamed_upto:
+                    a = st.streamed_upto
+                    streams.append(StreamCopy(st.stream_out[0], st.stream_out[1], BlockCopy(
+                        s.req_id, tuple(st.keys[a:upto]), tuple(st.block_ids[a:upto]),
+                        st.keys[a - 1] if a else None), a))
+                    st.streamed_upto = upto
+                st.saved_upto = max(st.saved_upto, upto)
             known = st.num_prompt_tokens if st.tokens is None else max(st.num_prompt_tokens, len(st.tokens))
             done = min(s.computed_tokens + s.scheduled_tokens, known) // self.block_size
             if done > len(st.keys) and st.tokens is not None:  # generated blocks: the chain goes on
@@ -188,7 +237,7 @@ class Planner:
                 st.saved_upto = done
         async_loads, self._async = tuple(self._async), []
         handoffs, self._handoffs = tuple(self._handoffs), []
-        return StepPlan(tuple(loads), tuple(saves), async_loads, handoffs)
+        return StepPlan(tuple(loads), tuple(saves), async_loads, handoffs, tuple(streams))
 
     def hand_off(self, req_id: str, lease_s: float) -> tuple[BlockKey, ...]:
         """A producer's finished request handed to a decode engine: its prompt's keys, and a

@@ -42,6 +42,8 @@ from kvport.errors import ConfigError
 from kvport.extras import require
 from kvport.protocol.net import is_loopback
 
+from .stream import DEST_KEY, parse_dest
+
 try:
     import aiohttp
     from aiohttp import web
@@ -65,6 +67,9 @@ class ProxyConfig:
     auth_token: str | None = field(default=None, repr=False)
     prefill_timeout_s: float = 300.0
     decode_timeout_s: float = 600.0
+    # the decode engines' inboxes (kvport_pd_inbox, HOST:PORT), in the order of ``decode``: the prefill
+    # engine streams the prompt's KV there during the prefill; empty: hand-offs go through the store
+    decode_inbox: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -72,6 +77,12 @@ class ProxyConfig:
         for url in [*self.prefill, *self.decode]:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"engine URL must start with http:// or https://, got {url!r}")
+        if self.decode_inbox and len(self.decode_inbox) != len(self.decode):
+            raise ConfigError(f"{len(self.decode_inbox)} decode inboxes for {len(self.decode)} decode engines: "
+                              "give one per engine, in the same order")
+        for addr in self.decode_inbox:
+            if parse_dest(addr) is None:
+                raise ConfigError(f"a decode inbox is HOST:PORT, got {addr!r}")
         if not is_loopback(self.host) and not self.auth_token:
             raise ConfigError(f"the proxy binds {self.host}, beyond this machine: it needs an auth token "
                               "(--auth-token or KVPORT_AUTH_TOKEN)")
@@ -85,7 +96,8 @@ class PDProxy:
     def __init__(self, cfg: ProxyConfig) -> None:
         self.cfg = cfg
         self._prefill = itertools.cycle([u.rstrip("/") for u in cfg.prefill])
-        self._decode = itertools.cycle([u.rstrip("/") for u in cfg.decode])
+        inboxes: list[str | None] = [*cfg.decode_inbox] or [None] * len(cfg.decode)
+        self._decode = itertools.cycle(list(zip([u.rstrip("/") for u in cfg.decode], inboxes, strict=True)))
         self._session: aiohttp.ClientSession | None = None
         self.counts: dict[str, int] = {}
 
@@ -130,7 +142,7 @@ class PDProxy:
 
     async def _models(self, request: web.Request) -> web.Response:
         try:
-            async with self.session.get(next(self._decode) + "/v1/models",
+            async with self.session.get(next(self._decode)[0] + "/v1/models",
                                         timeout=aiohttp.ClientTimeout(total=30)) as r:
                 return web.Response(status=r.status, body=await r.read(), content_type="application/json")
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -145,14 +157,15 @@ class PDProxy:
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object")
         path = request.path
-        handed = await self._prefill_step(path, body)
+        decode, inbox = next(self._decode)  # chosen first: the prefill streams the KV to its inbox
+        handed = await self._prefill_step(path, body, inbox)
         decode_body = dict(body)
         if handed is not None:
             decode_body["kv_transfer_params"] = handed
         else:
             decode_body.pop("kv_transfer_params", None)
         try:
-            resp = await self._forward(request, next(self._decode) + path, decode_body)
+            resp = await self._forward(request, decode + path, decode_body)
             self._count("pd" if handed is not None else "no_handoff")
             return resp
         except _Failed as exc:
@@ -168,10 +181,14 @@ class PDProxy:
             self._count("failed")
             return _error(502, f"no engine could answer: {exc}")
 
-    async def _prefill_step(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
-        """Step 1: the prompt computed on a prefill engine; its hand-off, or None when it failed."""
+    async def _prefill_step(self, path: str, body: dict[str, Any], inbox: str | None) -> dict[str, Any] | None:
+        """Step 1: the prompt computed on a prefill engine (streaming its KV to ``inbox`` when given);
+        its hand-off, or None when it failed."""
         pre = dict(body)
-        pre.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+        ask: dict[str, Any] = {"do_remote_decode": True}
+        if inbox is not None:
+            ask[DEST_KEY] = inbox
+        pre.update(max_tokens=1, stream=False, kv_transfer_params=ask)
         if "max_completion_tokens" in pre:
             pre["max_completion_tokens"] = 1
         pre.pop("stream_options", None)

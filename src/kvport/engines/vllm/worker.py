@@ -31,7 +31,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,19 +39,24 @@ import numpy as np
 from kvport import metrics
 from kvport.codec.envelope import block_format
 from kvport.deadline import Deadline, DeadlinePolicy
-from kvport.errors import CodecError, DeadlineExceeded, TierError
+from kvport.errors import CodecError, DeadlineExceeded, KVPortError, TierError
 from kvport.keys import BlockKey
 from kvport.spec import KVSpec
 from kvport.store import TieredStore
 
 from .paged import PagedKV, Staging
 from .plan import BlockCopy
+from .stream import Inbox
 
 log = logging.getLogger(__name__)
 
 _BLOCKS = metrics.counter("vllm_connector_blocks", "KV blocks moved by the vLLM connector", ["op"])
-_SECONDS = metrics.counter("vllm_connector_seconds", "seconds the vLLM connector spent moving KV, by op "
-                           "(save: paged KV -> store; load: store -> paged KV, reads, checks and copies)", ["op"])
+SECONDS = metrics.counter("vllm_connector_seconds", "seconds the vLLM connector spent moving KV, by op "
+                          "(save: paged KV -> store; load: store -> paged KV, reads, checks and copies; load_async: "
+                          "a hand-off's load, its inbox wait included; stream: a producer's steps on streamed "
+                          "hand-offs; stage: a producer's steps copying streamed blocks for the background save; "
+                          "save_behind: that save, off the step)",
+                          ["op"])
 
 
 @dataclass(slots=True)
@@ -143,7 +148,7 @@ class BlockMover:
         finally:  # eager waves copy inside begin_load: that time is counted as copy, not read
             dt = time.perf_counter() - t0
             self.stats.load_read_s += dt - (self.stats.load_copy_s - copy0)
-            _SECONDS.labels(op="load").inc(dt)
+            SECONDS.labels(op="load").inc(dt)
 
     def _begin_load(self, loads: Sequence[BlockCopy]) -> None:
         total = sum(len(c.keys) for c in loads)
@@ -197,7 +202,7 @@ class BlockMover:
         self._layers_done[layer] = True
         dt = time.perf_counter() - t0
         self.stats.load_copy_s += dt
-        _SECONDS.labels(op="load").inc(dt)
+        SECONDS.labels(op="load").inc(dt)
 
     def finish_load(self) -> None:
         if self._ids is not None:
@@ -219,7 +224,7 @@ class BlockMover:
         finally:
             dt = time.perf_counter() - t0
             self.stats.save_s += dt
-            _SECONDS.labels(op="save").inc(dt)
+            SECONDS.labels(op="save").inc(dt)
 
     def _save(self, saves: Sequence[BlockCopy]) -> None:
         cap = self._save_buf.shape[0]
@@ -254,11 +259,17 @@ class AsyncLoads:
     loaded are reported with the request, and vLLM recomputes them.
 
     Only the request's own, newly allocated blocks are written, which nothing else reads or writes
-    until vLLM schedules the request, so the copies need no lock against the model's forward."""
+    until vLLM schedules the request, so the copies need no lock against the model's forward.
+
+    A hand-off streamed into ``inbox`` (:mod:`.stream`; ``BlockCopy.stream``) is taken from there:
+    blocks that arrived whole and verified are copied from their inbox slots (then freed), the rest is
+    read from the store, what neither has is recomputed. The producer keeps the same blocks in the
+    store (:class:`BackgroundSaver`): nothing here competes with the request's first step for the core."""
 
     def __init__(self, spec: KVSpec, store: TieredStore, paged: PagedKV, staging_blocks: int,
-                 deadlines: DeadlinePolicy | None = None) -> None:
+                 deadlines: DeadlinePolicy | None = None, inbox: Inbox | None = None) -> None:
         self.mover = BlockMover(spec, store, paged, staging_blocks, deadlines, save_blocks=1)
+        self.inbox = inbox
         self._queue: queue.Queue[BlockCopy | None] = queue.Queue()
         self._lock = threading.Lock()
         self._done: set[str] = set()
@@ -297,6 +308,27 @@ class AsyncLoads:
                 self._failed.update(failed)
                 self._done.add(c.req_id)
 
+    def _from_inbox(self, c: BlockCopy, inbox: Inbox, stream: str, deadline: Deadline) -> int:
+        """The leading blocks of ``c`` the stream holds, copied into the paged KV; how many."""
+        slots, why = inbox.take(stream, c.keys, deadline)
+        if why:
+            log.warning("kvport: request %s: %d of %d blocks streamed (%s); the rest from the store or recomputed",
+                        c.req_id, len(slots), len(c.keys), why)
+        if not slots:
+            return 0
+        m = self.mover
+        t0 = time.perf_counter()
+        ids = np.asarray(c.block_ids[: len(slots)], dtype=np.int64)
+        try:
+            for layer in range(m.spec.num_layers):
+                m.paged.scatter_layer(layer, ids, inbox.layer(layer, slots))
+        finally:
+            inbox.release(slots)
+        m.stats.load_copy_s += time.perf_counter() - t0
+        m.stats.blocks_loaded += len(slots)
+        _BLOCKS.labels(op="streamed").inc(len(slots))
+        return len(slots)
+
     def _load(self, c: BlockCopy) -> list[int]:
         m = self.mover
         t0, copy0 = time.perf_counter(), m.stats.load_copy_s
@@ -304,6 +336,9 @@ class AsyncLoads:
         deadline = m._deadline(len(c.keys))
         pos = 0
         try:
+            if c.stream is not None and self.inbox is not None:
+                pos = self._from_inbox(c, self.inbox, c.stream, deadline)
+                deadline = m._deadline(len(c.keys) - pos)  # the store's reads get their own time
             while pos < len(c.keys):
                 take = min(cap, len(c.keys) - pos)
                 got = m._read(c.keys[pos : pos + take], 0, deadline)
@@ -318,8 +353,81 @@ class AsyncLoads:
         finally:
             dt = time.perf_counter() - t0
             m.stats.load_read_s += dt - (m.stats.load_copy_s - copy0)
-            _SECONDS.labels(op="load_async").inc(dt)
+            SECONDS.labels(op="load_async").inc(dt)
 
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(5)
+
+
+class BackgroundSaver:
+    """A producer's store saves of blocks it streamed, off the step. The step copies each block
+    into a free slot of a preallocated buffer (``stage``: one memcpy per block-layer, while the blocks
+    are certainly the request's); a thread seals the envelopes and puts each run of blocks under its
+    parent, in order; callbacks queued with ``after`` run once every save staged before them is in the
+    store (the hand-off commits then). A run that finds no room is returned, to be saved in the step."""
+
+    def __init__(self, spec: KVSpec, store: TieredStore, paged: PagedKV, slots: int) -> None:
+        self.spec, self.store, self.paged = spec, store, paged
+        self.format = block_format(spec)
+        h = self.format.header_len
+        self._buf = np.ones((slots, self.format.value_bytes), dtype=np.uint8)  # touched now, not on the step
+        self._views: tuple[memoryview, ...] = tuple(self._buf[j].data for j in range(slots))
+        self._slabs = self._buf[:, h:].reshape(slots, spec.num_layers, spec.bytes_per_layer_block)
+        self._free = list(range(slots - 1, -1, -1))
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[BlockCopy, list[int]] | Callable[[], None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kvport-save-behind", daemon=True)
+        self._thread.start()
+
+    def stage(self, copies: Sequence[BlockCopy]) -> list[BlockCopy]:
+        """Copy each run's blocks into free slots and queue its save; the runs that did not fit."""
+        left: list[BlockCopy] = []
+        t0 = time.perf_counter()
+        for c in copies:
+            with self._lock:
+                if len(c.keys) > len(self._free):
+                    left.append(c)
+                    continue
+                slots = [self._free.pop() for _ in c.keys]
+            for slot, block_id in zip(slots, c.block_ids, strict=True):
+                self.paged.gather_block(block_id, self._slabs[slot])
+            self._queue.put((c, slots))
+        SECONDS.labels(op="stage").inc(time.perf_counter() - t0)
+        return left
+
+    def after(self, fn: Callable[[], None]) -> None:
+        self._queue.put(fn)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if callable(item):
+                try:
+                    item()
+                except Exception as exc:  # a callback must not end the saver
+                    log.warning("kvport: background save callback failed (%s: %s)", type(exc).__name__, exc)
+                continue
+            c, slots = item
+            t0 = time.perf_counter()
+            try:
+                for key, slot in zip(c.keys, slots, strict=True):
+                    self.format.seal(self._views[slot], key)
+                self.store.put_many([(k, self._views[s]) for k, s in zip(c.keys, slots, strict=True)],
+                                    parent=c.parent)
+                _BLOCKS.labels(op="saved").inc(len(slots))
+            except KVPortError as exc:
+                log.warning("kvport: background save of %d blocks dropped (%s)", len(slots), exc)
+                _BLOCKS.labels(op="save_dropped").inc(len(slots))
+            finally:
+                with self._lock:
+                    self._free.extend(slots)
+                SECONDS.labels(op="save_behind").inc(time.perf_counter() - t0)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        done = threading.Event()
+        self.after(done.set)
+        return done.wait(timeout_s)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(10)

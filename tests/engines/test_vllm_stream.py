@@ -1,0 +1,202 @@
+"""The streamed hand-off (kvport.engines.vllm.stream) over real loopback sockets: a producer's paged KV,
+layer by layer, into a decode engine's inbox, then into its paged KV through AsyncLoads; and every way
+it can go wrong ending in blocks from the store or recomputed, never in KV the request did not name."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvport.client.port import StoreConfig, open_store
+from kvport.codec.envelope import block_format, stored_bytes
+from kvport.deadline import Deadline
+from kvport.engines.vllm.paged import PagedKV
+from kvport.engines.vllm.plan import BlockCopy, Planner, ScheduledRequest, StreamCopy
+from kvport.engines.vllm.stream import Inbox, InboxServer, StreamOut, new_stream_id, parse_dest
+from kvport.engines.vllm.worker import AsyncLoads, BackgroundSaver
+from kvport.keys import KeyContext, chain_keys
+from kvport.spec import DType, KVSpec, Layout
+
+SPEC = KVSpec("m", num_layers=3, num_kv_heads=2, head_dim=8, dtype=DType.FP32, block_size=4, layout=Layout.VLLM_CPU)
+CTX = KeyContext(block_size=4, spec_fingerprint=SPEC.fingerprint)
+HEADER = block_format(SPEC).header_len
+
+
+def engine_kv(num_blocks: int, seed: int | None) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed or 0)
+    make = (lambda: torch.randn(num_blocks, 2, 4, 16, generator=g)) if seed is not None else (
+        lambda: torch.zeros(num_blocks, 2, 4, 16))
+    return {f"model.layers.{i}.self_attn.attn": make() for i in range(3)}
+
+
+@pytest.fixture
+def inbox() -> Iterator[tuple[Inbox, InboxServer]]:
+    box = Inbox(SPEC, 8, HEADER, ttl_s=30.0)
+    srv = InboxServer(box, "127.0.0.1", 0)
+    yield box, srv
+    srv.close()
+
+
+def stream_all(out: StreamOut, copies: list[StreamCopy]) -> list[StreamCopy]:
+    """Stream ``copies`` as a step would; the ones that failed (every other one committed)."""
+    out.begin(copies)
+    for layer in range(SPEC.num_layers):
+        out.layer(layer)
+    committed, failed = out.finish()
+    assert sorted(id(c) for c in committed + failed) == sorted(id(c) for c in copies)
+    return failed
+
+
+def copy_of(n: int, ids: list[int], req: str = "r") -> BlockCopy:
+    keys = chain_keys(list(range(n * 4)), CTX)
+    return BlockCopy(req, tuple(keys), tuple(ids))
+
+
+def test_stream_lands_every_layer_and_only_the_named_stream_is_taken(inbox: tuple[Inbox, InboxServer]) -> None:
+    box, srv = inbox
+    src = PagedKV(engine_kv(16, seed=1), SPEC)
+    out = StreamOut(SPEC, src)
+    sid = new_stream_id()
+    c = copy_of(3, [9, 2, 14])
+    assert stream_all(out, [StreamCopy(sid, srv.address, c, 0)]) == []
+    # another stream id, same keys: nothing (the request only links what its own stream brought)
+    slots, why = box.take(new_stream_id(), c.keys, Deadline.after(1.0), unknown_wait_s=0.05)
+    assert slots == [] and "never reached" in why
+    slots, why = box.take(sid, c.keys, Deadline.after(1.0))
+    assert why == "" and len(slots) == 3
+    for layer in range(SPEC.num_layers):
+        np.testing.assert_array_equal(box.layer(layer, slots), src.arrays[layer][[9, 2, 14]])
+    box.release(slots)
+    assert box.free_blocks == box.capacity
+    out.close()
+
+
+def test_async_load_takes_the_stream_and_the_store_has_the_rest(tmp_path: Path,
+                                                                inbox: tuple[Inbox, InboxServer]) -> None:
+    box, srv = inbox
+    src_kv, dst_kv = engine_kv(16, seed=2), engine_kv(16, seed=None)
+    out = StreamOut(SPEC, PagedKV(src_kv, SPEC))
+    sid = new_stream_id()
+    keys = chain_keys(list(range(20)), CTX)  # 5 blocks: 2 streamed, the 3rd only in the store, 4-5 nowhere
+    c = BlockCopy("r", tuple(keys[:2]), (3, 7))
+    assert stream_all(out, [StreamCopy(sid, srv.address, c, 0)]) == []
+    st = open_store(StoreConfig(block_bytes=stored_bytes(SPEC), disk_dir=tmp_path / "d", disk_bytes=1 << 30))
+    # the producer's background save (here of the 3rd block only) puts streamed blocks in the store
+    saver = BackgroundSaver(SPEC, st, PagedKV(src_kv, SPEC), 4)
+    assert saver.stage([BlockCopy("r", (keys[2],), (11,), keys[1])]) == []
+    assert saver.stage([BlockCopy("r", tuple(keys), (0, 1, 2, 3, 4))]) != []  # no room: the step saves it
+    assert saver.flush() and st.contains_many(keys[2:]) == [True, False, False]
+    saver.close()
+    loads = AsyncLoads(SPEC, st, PagedKV(dst_kv, SPEC), 4, inbox=box)
+    try:
+        loads.submit([BlockCopy("r", tuple(keys), (0, 1, 2, 5, 6), None, sid)])
+        done, failed = set(), set()
+        t0 = time.monotonic()
+        while "r" not in done and time.monotonic() - t0 < 10:
+            d, f = loads.take()
+            done |= d
+            failed |= f
+            time.sleep(0.01)
+        assert done == {"r"} and failed == {5, 6}  # not streamed, not stored: vLLM recomputes them
+        for name in src_kv:
+            assert torch.equal(dst_kv[name][[0, 1, 2]], src_kv[name][[3, 7, 11]])
+        assert box.free_blocks == box.capacity  # the slots came back with the copy
+    finally:
+        loads.close()
+        out.close()
+
+
+def test_incompatible_full_or_dead_inbox_falls_back_to_the_store(inbox: tuple[Inbox, InboxServer]) -> None:
+    box, srv = inbox
+    paged = PagedKV(engine_kv(16, seed=3), SPEC)
+    # another dtype: refused at TRANSFER_BEGIN with the field named, before any byte
+    other = dataclasses.replace(SPEC, dtype=DType.FP16)
+    sc = StreamCopy(new_stream_id(), srv.address, copy_of(2, [1, 2]), 0)
+    out = StreamOut(other, paged)
+    assert stream_all(out, [sc]) == [sc]
+    assert any("dtype" in str(e) for e in _refusals(srv))
+    # more blocks than the inbox holds: refused whole (bounded memory), saved the old way
+    big = StreamCopy(new_stream_id(), srv.address, copy_of(9, list(range(9))), 0)
+    out = StreamOut(SPEC, paged)
+    assert stream_all(out, [big]) == [big]
+    assert box.free_blocks == box.capacity
+    # nobody listening
+    gone = StreamCopy(new_stream_id(), "127.0.0.1:1", copy_of(1, [4]), 0)
+    assert stream_all(out, [gone]) == [gone]
+    slots, why = box.take(gone.stream, gone.copy.keys, Deadline.after(1.0), unknown_wait_s=0.05)
+    assert slots == [] and why
+    out.close()
+
+
+def _refusals(srv: InboxServer) -> list[Exception]:
+    return [e for r in srv._receivers for e in r.refusals]
+
+
+def test_a_stream_cut_mid_transfer_links_nothing(inbox: tuple[Inbox, InboxServer]) -> None:
+    box, srv = inbox
+    out = StreamOut(SPEC, PagedKV(engine_kv(16, seed=4), SPEC), tail_s=1.0)
+    sc = StreamCopy(new_stream_id(), srv.address, copy_of(2, [5, 6]), 0)
+    out.begin([sc])
+    out.layer(0)  # the producer dies after one layer
+    time.sleep(0.2)
+    for o in out._open:
+        o.sender.close()
+    t0 = time.monotonic()
+    slots, why = box.take(sc.stream, sc.copy.keys, Deadline.after(5.0))
+    assert slots == [] and "aborted" in why
+    assert time.monotonic() - t0 < 4  # the abort ends the wait, not the deadline
+    assert box.free_blocks == box.capacity
+
+
+def test_streams_nobody_takes_lapse_when_room_is_needed() -> None:
+    box = Inbox(SPEC, 2, HEADER, ttl_s=0.0)
+    srv = InboxServer(box, "127.0.0.1", 0)
+    try:
+        out = StreamOut(SPEC, PagedKV(engine_kv(8, seed=5), SPEC))
+        first = StreamCopy(new_stream_id(), srv.address, copy_of(2, [0, 1]), 0)
+        assert stream_all(out, [first]) == []
+        second = StreamCopy(new_stream_id(), srv.address, copy_of(2, [2, 3], "s"), 0)
+        assert stream_all(out, [second]) == []  # the first lapsed (ttl 0) to make room
+        slots, _ = box.take(first.stream, first.copy.keys, Deadline.after(0.5), unknown_wait_s=0.05)
+        assert slots == []
+        slots, why = box.take(second.stream, second.copy.keys, Deadline.after(1.0))
+        assert len(slots) == 2 and why == ""
+        out.close()
+    finally:
+        srv.close()
+
+
+def test_planner_streams_every_prompt_block_once_and_saves_none_of_them() -> None:
+    held: set[bytes] = set()
+    p = Planner(CTX, lambda k: k in held)
+    prompt = list(range(18))  # 4 full blocks and 2 tokens
+    assert p.lookup("r", prompt, 0) == 0
+    sid = new_stream_id()
+    p.stream_to("r", sid, "127.0.0.1:9")
+    p.after_alloc("r", 0)
+    a = p.step([ScheduledRequest("r", 0, 10, [7, 8, 9], True)])  # chunked: 2 full blocks computed
+    b = p.step([ScheduledRequest("r", 10, 8, [10, 11], False)])
+    assert [s.copy.block_ids for s in a.streams] == [(7, 8)] and [s.first_block for s in a.streams] == [0]
+    assert [s.copy.block_ids for s in b.streams] == [(9, 10)] and b.streams[0].first_block == 2
+    assert b.streams[0].copy.parent == a.streams[0].copy.keys[-1]
+    assert a.saves == () and b.saves == ()
+    assert p.streamed("r") == sid
+    # the decode side: a hand-off named by its stream loads from there
+    q = Planner(CTX, lambda k: False)
+    assert q.lookup("d", prompt, 0) == 0
+    q.expect_stream("d", 16, sid)
+    q.after_alloc("d", 16, [0, 1, 2, 3, 4])
+    (load,) = q.step([]).async_loads
+    assert load.stream == sid and load.block_ids == (0, 1, 2, 3)
+
+
+def test_parse_dest() -> None:
+    assert parse_dest("127.0.0.1:9300") == "127.0.0.1:9300"
+    for bad in (None, 7, "host", "h:0", "h:99999", ":80", "x" * 400):
+        assert parse_dest(bad) is None

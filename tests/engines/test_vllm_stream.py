@@ -19,7 +19,7 @@ from kvport.deadline import Deadline
 from kvport.engines.vllm.paged import PagedKV
 from kvport.engines.vllm.plan import BlockCopy, Planner, ScheduledRequest, StreamCopy
 from kvport.engines.vllm.stream import Inbox, InboxServer, StreamOut, new_stream_id, parse_dest
-from kvport.engines.vllm.worker import AsyncLoads, BackgroundSaver
+from kvport.engines.vllm.worker import AsyncLoads, BlockMover
 from kvport.keys import KeyContext, chain_keys
 from kvport.spec import DType, KVSpec, Layout
 
@@ -77,8 +77,17 @@ def test_stream_lands_every_layer_and_only_the_named_stream_is_taken(inbox: tupl
     out.close()
 
 
-def test_async_load_takes_the_stream_and_the_store_has_the_rest(tmp_path: Path,
-                                                                inbox: tuple[Inbox, InboxServer]) -> None:
+def wait_until(cond, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_async_load_takes_the_stream_and_keeps_it_after_the_first_step(tmp_path: Path,
+                                                                       inbox: tuple[Inbox, InboxServer]) -> None:
     box, srv = inbox
     src_kv, dst_kv = engine_kv(16, seed=2), engine_kv(16, seed=None)
     out = StreamOut(SPEC, PagedKV(src_kv, SPEC))
@@ -87,29 +96,59 @@ def test_async_load_takes_the_stream_and_the_store_has_the_rest(tmp_path: Path,
     c = BlockCopy("r", tuple(keys[:2]), (3, 7))
     assert stream_all(out, [StreamCopy(sid, srv.address, c, 0)]) == []
     st = open_store(StoreConfig(block_bytes=stored_bytes(SPEC), disk_dir=tmp_path / "d", disk_bytes=1 << 30))
-    # the producer's background save (here of the 3rd block only) puts streamed blocks in the store
-    saver = BackgroundSaver(SPEC, st, PagedKV(src_kv, SPEC), 4)
-    assert saver.stage([BlockCopy("r", (keys[2],), (11,), keys[1])]) == []
-    assert saver.stage([BlockCopy("r", tuple(keys), (0, 1, 2, 3, 4))]) != []  # no room: the step saves it
-    assert saver.flush() and st.contains_many(keys[2:]) == [True, False, False]
-    saver.close()
+    BlockMover(SPEC, st, PagedKV(src_kv, SPEC), 2).save([BlockCopy("p", (keys[2],), (11,), keys[1])])
     loads = AsyncLoads(SPEC, st, PagedKV(dst_kv, SPEC), 4, inbox=box)
     try:
         loads.submit([BlockCopy("r", tuple(keys), (0, 1, 2, 5, 6), None, sid)])
-        done, failed = set(), set()
-        t0 = time.monotonic()
-        while "r" not in done and time.monotonic() - t0 < 10:
+        done: set[str] = set()
+        failed: set[int] = set()
+
+        def ended() -> bool:
             d, f = loads.take()
-            done |= d
-            failed |= f
-            time.sleep(0.01)
-        assert done == {"r"} and failed == {5, 6}  # not streamed, not stored: vLLM recomputes them
+            done.update(d)
+            failed.update(f)
+            return "r" in done
+
+        assert wait_until(ended)
+        assert failed == {5, 6}  # not streamed, not stored: vLLM recomputes them
         for name in src_kv:
             assert torch.equal(dst_kv[name][[0, 1, 2]], src_kv[name][[3, 7, 11]])
-        assert box.free_blocks == box.capacity  # the slots came back with the copy
+        # the streamed blocks wait in the inbox until the request's first step ran, then go to the store
+        time.sleep(0.1)
+        assert box.free_blocks == box.capacity - 2 and st.contains_many(keys[:2]) == [False, False]
+        loads.keep(["r"])
+        assert wait_until(lambda: box.free_blocks == box.capacity)
+        assert st.contains_many(keys[:3]) == [True, True, True]  # the next turn's prefill finds them
+        fmt = block_format(SPEC)  # sealed: a stored block that opens under its key
+        buf = memoryview(bytearray(fmt.value_bytes))
+        assert st.get_many_into([(keys[0], buf)]) == [fmt.value_bytes]
+        fmt.open(buf, keys[0])
     finally:
         loads.close()
         out.close()
+
+
+def test_a_stream_nobody_takes_goes_to_the_store_when_its_room_is_needed(tmp_path: Path) -> None:
+    box = Inbox(SPEC, 2, HEADER, ttl_s=0.0)
+    srv = InboxServer(box, "127.0.0.1", 0)
+    st = open_store(StoreConfig(block_bytes=stored_bytes(SPEC), disk_dir=tmp_path / "d", disk_bytes=1 << 30))
+    loads = AsyncLoads(SPEC, st, PagedKV(engine_kv(4, seed=None), SPEC), 2, inbox=box)  # its keeper keeps lapsed ones
+    out = StreamOut(SPEC, PagedKV(engine_kv(8, seed=5), SPEC))
+    try:
+        first = StreamCopy(new_stream_id(), srv.address, copy_of(2, [0, 1]), 0)
+        assert stream_all(out, [first]) == []
+        second = StreamCopy(new_stream_id(), srv.address, copy_of(2, [2, 3], "s"), 0)
+        assert stream_all(out, [second]) == [second]  # no room yet: refused, the producer saves it itself
+        assert wait_until(lambda: all(st.contains_many(first.copy.keys)))  # the lapsed stream, kept
+        assert wait_until(lambda: box.free_blocks == 2)
+        slots, why = box.take(second.stream, second.copy.keys, Deadline.after(5.0))
+        assert slots == [] and "free blocks" in why  # refused streams answer at once, no wait
+        third = StreamCopy(new_stream_id(), srv.address, copy_of(2, [4, 5], "t"), 0)
+        assert stream_all(out, [third]) == []
+    finally:
+        out.close()
+        loads.close()
+        srv.close()
 
 
 def test_incompatible_full_or_dead_inbox_falls_back_to_the_store(inbox: tuple[Inbox, InboxServer]) -> None:
@@ -154,24 +193,6 @@ def test_a_stream_cut_mid_transfer_links_nothing(inbox: tuple[Inbox, InboxServer
     assert box.free_blocks == box.capacity
 
 
-def test_streams_nobody_takes_lapse_when_room_is_needed() -> None:
-    box = Inbox(SPEC, 2, HEADER, ttl_s=0.0)
-    srv = InboxServer(box, "127.0.0.1", 0)
-    try:
-        out = StreamOut(SPEC, PagedKV(engine_kv(8, seed=5), SPEC))
-        first = StreamCopy(new_stream_id(), srv.address, copy_of(2, [0, 1]), 0)
-        assert stream_all(out, [first]) == []
-        second = StreamCopy(new_stream_id(), srv.address, copy_of(2, [2, 3], "s"), 0)
-        assert stream_all(out, [second]) == []  # the first lapsed (ttl 0) to make room
-        slots, _ = box.take(first.stream, first.copy.keys, Deadline.after(0.5), unknown_wait_s=0.05)
-        assert slots == []
-        slots, why = box.take(second.stream, second.copy.keys, Deadline.after(1.0))
-        assert len(slots) == 2 and why == ""
-        out.close()
-    finally:
-        srv.close()
-
-
 def test_planner_streams_every_prompt_block_once_and_saves_none_of_them() -> None:
     held: set[bytes] = set()
     p = Planner(CTX, lambda k: k in held)
@@ -194,6 +215,9 @@ def test_planner_streams_every_prompt_block_once_and_saves_none_of_them() -> Non
     q.after_alloc("d", 16, [0, 1, 2, 3, 4])
     (load,) = q.step([]).async_loads
     assert load.stream == sid and load.block_ids == (0, 1, 2, 3)
+    # its first step: the worker keeps the streamed blocks in the store after it (once)
+    assert q.step([ScheduledRequest("d", 16, 2, [0, 1, 2, 3, 4], True)]).kept == ("d",)
+    assert q.step([ScheduledRequest("d", 18, 1, None, False)]).kept == ()
 
 
 def test_parse_dest() -> None:

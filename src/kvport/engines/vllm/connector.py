@@ -106,7 +106,7 @@ from .paged import PagedKV
 from .plan import BlockCopy, HandOff, Planner, ScheduledRequest, StepPlan
 from .spin import limit_idle_spin
 from .stream import DEST_KEY, Inbox, InboxServer, StreamOut, is_stream_id, new_stream_id, parse_dest
-from .worker import SECONDS, AsyncLoads, BackgroundSaver, BlockMover, WorkerStats
+from .worker import SECONDS, AsyncLoads, BlockMover, WorkerStats
 
 require("vllm", __name__)  # another release that imports is refused too: hooks and layouts change between them
 
@@ -213,14 +213,17 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.streams: StreamOut | None = None  # worker side, producer: hand-offs streamed layer by layer
         self.inbox: Inbox | None = None  # worker side, decode engine: where they arrive
         self.inbox_server: InboxServer | None = None
-        self.saver: BackgroundSaver | None = None  # worker side, producer: the store saves of streamed blocks
 
     # ================================================================ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         prompt = request.prompt_token_ids or []
         tokens = request.all_token_ids if self.cfg.save_generated else None
-        n = self.planner.lookup(request.request_id, prompt, num_computed_tokens, request_salt(request), tokens)
         handed = _remote_params(request)
+        # a hand-off streamed into this engine's inbox needs no store lookup (a round trip to the server,
+        # on the decode request's TTFT): the worker takes the stream, and asks the store only for what it lacks
+        probe = not (handed.get("do_remote_prefill") and self.consumes and self._stream_of(request) is not None)
+        n = self.planner.lookup(request.request_id, prompt, num_computed_tokens, request_salt(request), tokens,
+                                probe=probe)
         if handed.get("do_remote_decode") and self.produces and self.cfg.pd_stream:
             dest = parse_dest(handed.get(DEST_KEY))
             if dest is not None and self.planner.streamed(request.request_id) is None:
@@ -234,6 +237,16 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._async_reqs.add(request.request_id)
             return n, load_async
         return gate(self.cost_planner, self.spec, len(prompt), num_computed_tokens, n), False
+
+    def _stream_of(self, request: Request) -> str | None:
+        """The stream a decode request's hand-off arrives in, when this engine takes it from its inbox:
+        an inbox, asynchronous loads, and the stream not tried already for this request (a load that
+        failed comes back here for the rest, which the store has or vLLM computes)."""
+        if self.cfg.pd_inbox is None or not self.cfg.async_handoff or request.request_id in self._stream_tried:
+            return None
+        kv = _remote_params(request).get(PD_KEY)
+        stream = kv.get("stream") if isinstance(kv, dict) else None
+        return stream if isinstance(stream, str) and is_stream_id(stream) else None
 
     def _pd(self, outcome: str, req_id: str, why: str = "") -> None:
         _PD.labels(outcome=outcome).inc()
@@ -260,9 +273,8 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return 0
         want = min(tokens, max(0, len(request.prompt_token_ids or []) - 1) // self.spec.block_size
                    * self.spec.block_size) - local
-        stream = kv.get("stream")
-        if isinstance(stream, str) and is_stream_id(stream) and want > 0 and self.cfg.async_handoff \
-                and self.cfg.pd_inbox is not None and rid not in self._stream_tried:
+        stream = self._stream_of(request)
+        if stream is not None and want > 0:
             # once: a load that failed comes back here for the rest, which the store has or vLLM computes
             self._stream_tried.add(rid)
             # streamed to this engine's inbox during the prefill: the worker takes it from there (the
@@ -316,10 +328,10 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         try:
             if not (self.produces and _remote_params(request).get("do_remote_decode")):
                 return False, None
-            # streamed: the decode engine's inbox committed the blocks in the steps that computed them, and
-            # the background saver keeps them in the store (a failed stream was saved in its step)
+            # streamed: the decode engine's inbox committed the blocks in the steps that computed them (the
+            # ownership hand-off; the decode engine keeps them in the store); a failed stream was saved here
             stream = self.planner.streamed(rid)
-            shared = isinstance(self.store.tiers.get("shared"), RemoteTier)
+            shared = stream is None and isinstance(self.store.tiers.get("shared"), RemoteTier)
             keys = self.planner.hand_off(rid, self.cfg.pd_lease_s) if shared else self.planner.prompt_keys(rid)
             params = {"do_remote_prefill": True, "do_remote_decode": False,
                       PD_KEY: {"v": PD_VERSION, "tokens": len(keys) * self.spec.block_size,
@@ -344,7 +356,6 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
             log.info("kvport: decode engine's inbox on %s (%d blocks)", self.inbox_server.address, blocks)
         if self.produces and self.cfg.pd_stream:
             self.streams = StreamOut(self.spec, paged, secret)
-            self.saver = BackgroundSaver(self.spec, self.store, paged, 2 * staging)
         if self.consumes and self.cfg.async_handoff:
             self.async_loads = AsyncLoads(self.spec, self.store, paged, staging, self.cfg.load_deadline, self.inbox)
 
@@ -374,11 +385,7 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 raise EngineError("asynchronous loads planned, but this worker has no async loader")
             self.async_loads.submit(plan.async_loads)
         for h in () if plan is None else plan.handoffs:  # after every save queued so far reached the server
-            commit = functools.partial(self.store.after_writes, functools.partial(self._commit_handoff, h))
-            if self.saver is not None:  # the background saves first: they are queued behind it
-                self.saver.after(commit)
-            else:
-                commit()
+            self.store.after_writes(functools.partial(self._commit_handoff, h))
 
     def _commit_handoff(self, h: HandOff) -> None:
         """Lease a hand-off's blocks in the shared tier, then report the request as sent (always: a
@@ -424,11 +431,11 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         saves = list(plan.saves) if plan is not None else []
         if self.streams is not None and (self.streams.active or (plan is not None and plan.streams)):
             t0 = time.perf_counter()
-            committed, failed = self.streams.finish()
+            _, failed = self.streams.finish()
             SECONDS.labels(op="stream").inc(time.perf_counter() - t0)
             saves += [sc.copy for sc in failed]  # not in the decode engine: saved now, the unstreamed hand-off
-            if committed and self.saver is not None:  # kept in the store too, off the step
-                saves += self.saver.stage([sc.copy for sc in committed])
+        if plan is not None and plan.kept and self.async_loads is not None:  # their first step ran
+            self.async_loads.keep(plan.kept)
         if saves:
             self.mover.save(saves)
 
@@ -440,6 +447,7 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
             sent, self._sent = self._sent, set()
         if self.async_loads is None:
             return sent or None, None
+        self.async_loads.keep(finished_req_ids)  # streamed blocks of requests that ended before a step
         done, failed = self.async_loads.take()
         self._async_failed |= failed
         return sent or None, done or None
@@ -457,9 +465,7 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def shutdown(self) -> None:
         if self.streams is not None:
             self.streams.close()
-        if self.saver is not None:
-            self.saver.flush()
-            self.saver.close()
+
         if self.inbox_server is not None:
             self.inbox_server.close()
         if self.async_loads is not None:

@@ -75,6 +75,7 @@ class StepPlan:
     async_loads: tuple[BlockCopy, ...] = ()  # loaded in the background; done when get_finished says so
     handoffs: tuple[HandOff, ...] = ()  # committed by the worker (lease, then reported as sent)
     streams: tuple[StreamCopy, ...] = ()  # sent layer by layer during this step's forward
+    kept: tuple[str, ...] = ()  # decode engine: streamed hand-offs whose first step runs now (then kept)
 
     @property
     def load_blocks(self) -> int:
@@ -95,6 +96,7 @@ class _Request:
     stream_out: tuple[str, str] | None = None  # producer: (stream id, decode inbox) its prompt goes to
     streamed_upto: int = 0  # producer: blocks below this were streamed by earlier steps
     stream_in: str | None = None  # decode engine: the stream its hand-off arrives in
+    started: bool = False  # decode engine: its first step after the streamed load was planned
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,14 +137,17 @@ class Planner:
         return st
 
     def lookup(self, req_id: str, prompt: Sequence[int], local_tokens: int, salt: bytes = b"",
-               tokens: Sequence[int] | None = None) -> int:
+               tokens: Sequence[int] | None = None, probe: bool = True) -> int:
         """Tokens beyond ``local_tokens`` (block-aligned) that the store can supply. ``tokens``: the
-        request's live token list (prompt + generated), whose later full blocks are saved as well."""
+        request's live token list (prompt + generated), whose later full blocks are saved as well.
+        ``probe=False``: the store is not asked (0; a streamed hand-off names its blocks instead)."""
         st = self._state(req_id, prompt, salt)
         st.tokens = tokens
         st.stream_in = None  # each lookup starts over: expect_stream names the stream again if it is to be used
         limit = min(len(st.keys), max(0, len(prompt) - 1) // self.block_size)
-        if self._prefix is not None:
+        if not probe:
+            hit = 0
+        elif self._prefix is not None:
             hit = min(limit, self._prefix(st.keys[:limit])) if limit else 0
         else:
             hit = 0
@@ -195,6 +200,7 @@ class Planner:
         loads: list[BlockCopy] = []
         saves: list[BlockCopy] = []
         streams: list[StreamCopy] = []
+        kept: list[str] = []
         for s in scheduled:
             st = self._reqs.get(s.req_id)
             if st is None:
@@ -211,6 +217,9 @@ class Planner:
                     raise EngineError(f"{s.req_id}: load needs {b} blocks, vLLM allocated {len(st.block_ids)}")
                 loads.append(BlockCopy(s.req_id, tuple(st.keys[a:b]), tuple(st.block_ids[a:b])))
             st.saved_upto = max(st.saved_upto, st.hit_tokens // self.block_size)
+            if st.stream_in is not None and not st.started:
+                st.started = True
+                kept.append(s.req_id)
             if st.stream_out is not None:  # every prompt block, computed or found: the decode engine's copy
                 upto = min(s.computed_tokens + s.scheduled_tokens, st.num_prompt_tokens) // self.block_size
                 upto = min(upto, len(st.keys), len(st.block_ids))
@@ -237,7 +246,7 @@ class Planner:
                 st.saved_upto = done
         async_loads, self._async = tuple(self._async), []
         handoffs, self._handoffs = tuple(self._handoffs), []
-        return StepPlan(tuple(loads), tuple(saves), async_loads, handoffs, tuple(streams))
+        return StepPlan(tuple(loads), tuple(saves), async_loads, handoffs, tuple(streams), tuple(kept))
 
     def hand_off(self, req_id: str, lease_s: float) -> tuple[BlockKey, ...]:
         """A producer's finished request handed to a decode engine: its prompt's keys, and a

@@ -38,7 +38,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -103,6 +103,9 @@ class Inbox:
         self._free = list(range(capacity_blocks - 1, -1, -1))  # pop() gives ascending slots
         self._streams: dict[str, _Stream] = {}
         self._cond = threading.Condition()
+        # given a lapsed stream's (key, slot) pairs, keeps them (in the store) and releases the slots;
+        # None: the slots are freed at once
+        self.on_lapse: Callable[[list[tuple[BlockKey, int]]], None] | None = None
 
     @property
     def capacity(self) -> int:
@@ -128,16 +131,29 @@ class Inbox:
         if not is_stream_id(meta.request_id):
             raise TransferError(f"a streamed hand-off names its stream (32 hex digits), got {meta.request_id[:40]!r}")
         with self._cond:
-            if len(self._free) < meta.n_blocks:
-                self._lapse(time.monotonic())
-            if len(self._free) < meta.n_blocks:
+            lapsed = self._lapse(time.monotonic()) if len(self._free) < meta.n_blocks else []
+            err = self._streams[meta.request_id].error if meta.request_id in self._streams else ""
+            if len(self._free) < meta.n_blocks or err:
                 _STREAMS.labels(outcome="refused").inc()
-                raise TierFullError(f"the inbox has {len(self._free)} free blocks of {self.capacity}, the "
-                                    f"transfer needs {meta.n_blocks}")
+                why = err or (f"the inbox has {len(self._free)} free blocks of {self.capacity}, the transfer "
+                              f"needs {meta.n_blocks}")
+                # the stream is void (its decode request goes to the store at once, not after a wait)
+                self._streams.setdefault(meta.request_id, _Stream()).error = why
+                self._hand_lapsed(lapsed)
+                raise TierFullError(why)
             slots = [self._free.pop() for _ in range(meta.n_blocks)]
             st = self._streams.setdefault(meta.request_id, _Stream())
             st.open += 1
+        self._hand_lapsed(lapsed)
         return InboxDestination(self, meta, slots)
+
+    def _hand_lapsed(self, lapsed: list[tuple[BlockKey, int]]) -> None:
+        if not lapsed:
+            return
+        if self.on_lapse is None:
+            self.release([slot for _, slot in lapsed])
+        else:
+            self.on_lapse(lapsed)
 
     def _commit(self, stream: str, keys: Sequence[bytes], slots: list[int]) -> None:
         with self._cond:
@@ -164,13 +180,18 @@ class Inbox:
                 st.error = st.error or why
             self._cond.notify_all()
 
-    def _lapse(self, now: float) -> None:
+    def _lapse(self, now: float) -> list[tuple[BlockKey, int]]:
+        """Streams nobody took within ``ttl_s`` (callers hold the lock): their (key, slot) pairs, for
+        ``on_lapse`` to keep in the store before the slots are reused."""
+        held: list[tuple[BlockKey, int]] = []
         for sid in [s for s, st in self._streams.items() if now - st.t > self.ttl_s and st.open == 0]:
             st = self._streams.pop(sid)
-            self._free.extend(st.slots.values())
-            _STREAMS.labels(outcome="lapsed").inc()
-            log.warning("kvport: streamed hand-off %s… never taken in %.0f s; its %d blocks dropped", sid[:8],
-                        self.ttl_s, len(st.slots))
+            held.extend(st.slots.items())
+            if st.slots:
+                _STREAMS.labels(outcome="lapsed").inc()
+                log.warning("kvport: streamed hand-off %s… not taken in %.0f s; its %d blocks go to the store",
+                            sid[:8], self.ttl_s, len(st.slots))
+        return held
 
     # -- the decode request's side (the async loader)
     def take(self, stream: str, keys: Sequence[BlockKey], deadline: Deadline,

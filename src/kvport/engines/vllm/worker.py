@@ -31,7 +31,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,8 +54,8 @@ _BLOCKS = metrics.counter("vllm_connector_blocks", "KV blocks moved by the vLLM 
 SECONDS = metrics.counter("vllm_connector_seconds", "seconds the vLLM connector spent moving KV, by op "
                           "(save: paged KV -> store; load: store -> paged KV, reads, checks and copies; load_async: "
                           "a hand-off's load, its inbox wait included; stream: a producer's steps on streamed "
-                          "hand-offs; stage: a producer's steps copying streamed blocks for the background save; "
-                          "save_behind: that save, off the step)",
+                          "hand-offs; keep_streamed: a decode engine putting them in the store, after the "
+                          "request's first step)",
                           ["op"])
 
 
@@ -262,14 +262,23 @@ class AsyncLoads:
     until vLLM schedules the request, so the copies need no lock against the model's forward.
 
     A hand-off streamed into ``inbox`` (:mod:`.stream`; ``BlockCopy.stream``) is taken from there:
-    blocks that arrived whole and verified are copied from their inbox slots (then freed), the rest is
-    read from the store, what neither has is recomputed. The producer keeps the same blocks in the
-    store (:class:`BackgroundSaver`): nothing here competes with the request's first step for the core."""
+    blocks that arrived whole and verified are copied from their inbox slots, the rest is read from the
+    store, what neither has is recomputed. The streamed blocks stay in their slots until the request's
+    first step has run (:meth:`keep`, from ``wait_for_save``): then a keeper thread seals them and puts
+    them in the store (the next turn's prefill, on any engine, finds them) and frees the slots, so
+    that the store's writes never compete with the request's first token for the cores."""
 
     def __init__(self, spec: KVSpec, store: TieredStore, paged: PagedKV, staging_blocks: int,
                  deadlines: DeadlinePolicy | None = None, inbox: Inbox | None = None) -> None:
         self.mover = BlockMover(spec, store, paged, staging_blocks, deadlines, save_blocks=1)
         self.inbox = inbox
+        self._taken: dict[str, tuple[BlockKey | None, list[tuple[BlockKey, int]]]] = {}  # req -> its streamed slots
+        self._keeps: queue.Queue[tuple[str, BlockKey | None, list[tuple[BlockKey, int]]] | None] = queue.Queue()
+        self._keeper: threading.Thread | None = None
+        if inbox is not None:
+            inbox.on_lapse = lambda held: self._keeps.put(("lapsed", None, held))
+            self._keeper = threading.Thread(target=self._keep_run, name="kvport-keep-streamed", daemon=True)
+            self._keeper.start()
         self._queue: queue.Queue[BlockCopy | None] = queue.Queue()
         self._lock = threading.Lock()
         self._done: set[str] = set()
@@ -322,12 +331,39 @@ class AsyncLoads:
         try:
             for layer in range(m.spec.num_layers):
                 m.paged.scatter_layer(layer, ids, inbox.layer(layer, slots))
-        finally:
+        except BaseException:
             inbox.release(slots)
+            raise
+        with self._lock:  # kept in the store once the request's first step ran (keep)
+            self._taken[c.req_id] = (c.parent, list(zip(c.keys, slots, strict=False)))
         m.stats.load_copy_s += time.perf_counter() - t0
         m.stats.blocks_loaded += len(slots)
         _BLOCKS.labels(op="streamed").inc(len(slots))
         return len(slots)
+
+    def keep(self, req_ids: Iterable[str]) -> None:
+        """These requests' first step ran (or they ended): their streamed blocks go to the store now."""
+        for rid in req_ids:
+            with self._lock:
+                taken = self._taken.pop(rid, None)
+            if taken is not None:
+                self._keeps.put((rid, *taken))
+
+    def _keep_run(self) -> None:
+        inbox, fmt = self.inbox, self.mover.format
+        while (item := self._keeps.get()) is not None and inbox is not None:
+            rid, parent, held = item
+            t0 = time.perf_counter()
+            try:
+                for key, slot in held:
+                    fmt.seal(inbox.slot_view(slot), key)
+                self.mover.store.put_many([(key, inbox.slot_view(slot)) for key, slot in held], parent=parent)
+                _BLOCKS.labels(op="kept").inc(len(held))
+            except KVPortError as exc:
+                log.warning("kvport: streamed blocks of %s not kept in the store (%s)", rid, exc)
+            finally:
+                inbox.release([slot for _, slot in held])
+                SECONDS.labels(op="keep_streamed").inc(time.perf_counter() - t0)
 
     def _load(self, c: BlockCopy) -> list[int]:
         m = self.mover
@@ -358,76 +394,8 @@ class AsyncLoads:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(5)
+        self.keep(list(self._taken))
+        self._keeps.put(None)
+        if self._keeper is not None:
+            self._keeper.join(10)
 
-
-class BackgroundSaver:
-    """A producer's store saves of blocks it streamed, off the step. The step copies each block
-    into a free slot of a preallocated buffer (``stage``: one memcpy per block-layer, while the blocks
-    are certainly the request's); a thread seals the envelopes and puts each run of blocks under its
-    parent, in order; callbacks queued with ``after`` run once every save staged before them is in the
-    store (the hand-off commits then). A run that finds no room is returned, to be saved in the step."""
-
-    def __init__(self, spec: KVSpec, store: TieredStore, paged: PagedKV, slots: int) -> None:
-        self.spec, self.store, self.paged = spec, store, paged
-        self.format = block_format(spec)
-        h = self.format.header_len
-        self._buf = np.ones((slots, self.format.value_bytes), dtype=np.uint8)  # touched now, not on the step
-        self._views: tuple[memoryview, ...] = tuple(self._buf[j].data for j in range(slots))
-        self._slabs = self._buf[:, h:].reshape(slots, spec.num_layers, spec.bytes_per_layer_block)
-        self._free = list(range(slots - 1, -1, -1))
-        self._lock = threading.Lock()
-        self._queue: queue.Queue[tuple[BlockCopy, list[int]] | Callable[[], None] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="kvport-save-behind", daemon=True)
-        self._thread.start()
-
-    def stage(self, copies: Sequence[BlockCopy]) -> list[BlockCopy]:
-        """Copy each run's blocks into free slots and queue its save; the runs that did not fit."""
-        left: list[BlockCopy] = []
-        t0 = time.perf_counter()
-        for c in copies:
-            with self._lock:
-                if len(c.keys) > len(self._free):
-                    left.append(c)
-                    continue
-                slots = [self._free.pop() for _ in c.keys]
-            for slot, block_id in zip(slots, c.block_ids, strict=True):
-                self.paged.gather_block(block_id, self._slabs[slot])
-            self._queue.put((c, slots))
-        SECONDS.labels(op="stage").inc(time.perf_counter() - t0)
-        return left
-
-    def after(self, fn: Callable[[], None]) -> None:
-        self._queue.put(fn)
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            if callable(item):
-                try:
-                    item()
-                except Exception as exc:  # a callback must not end the saver
-                    log.warning("kvport: background save callback failed (%s: %s)", type(exc).__name__, exc)
-                continue
-            c, slots = item
-            t0 = time.perf_counter()
-            try:
-                for key, slot in zip(c.keys, slots, strict=True):
-                    self.format.seal(self._views[slot], key)
-                self.store.put_many([(k, self._views[s]) for k, s in zip(c.keys, slots, strict=True)],
-                                    parent=c.parent)
-                _BLOCKS.labels(op="saved").inc(len(slots))
-            except KVPortError as exc:
-                log.warning("kvport: background save of %d blocks dropped (%s)", len(slots), exc)
-                _BLOCKS.labels(op="save_dropped").inc(len(slots))
-            finally:
-                with self._lock:
-                    self._free.extend(slots)
-                SECONDS.labels(op="save_behind").inc(time.perf_counter() - t0)
-
-    def flush(self, timeout_s: float = 30.0) -> bool:
-        done = threading.Event()
-        self.after(done.set)
-        return done.wait(timeout_s)
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(10)

@@ -8,6 +8,7 @@ import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -224,3 +225,60 @@ def test_parse_dest() -> None:
     assert parse_dest("127.0.0.1:9300") == "127.0.0.1:9300"
     for bad in (None, 7, "host", "h:0", "h:99999", ":80", "x" * 400):
         assert parse_dest(bad) is None
+
+
+def test_stream_config_keys_and_the_proxy_s_inboxes() -> None:
+    from kvport.engines.vllm.config import ConnectorConfig
+    from kvport.engines.vllm.proxy import ProxyConfig
+    from kvport.errors import ConfigError
+
+    cfg = ConnectorConfig.from_extra_config({"kvport_server": "h:1", "kvport_pd_inbox": "127.0.0.1:9200",
+                                             "kvport_pd_inbox_tokens": 4096})
+    assert cfg.pd_inbox == ("127.0.0.1", 9200) and cfg.pd_inbox_tokens == 4096 and cfg.pd_stream
+    assert ConnectorConfig.from_extra_config({"kvport_server": "h:1"}).pd_inbox is None
+    h = {"kvport_server": "h:1"}
+    for bad in ({**h, "kvport_pd_inbox": "nohost"}, {**h, "kvport_pd_inbox_tokens": 0},
+                {**h, "kvport_pd_inbox_tokens": True}, {**h, "kvport_pd_stream": "yes"}):
+        with pytest.raises(ConfigError):
+            ConnectorConfig.from_extra_config(bad)
+    ok = ProxyConfig(prefill=["http://a:1"], decode=["http://b:2", "http://c:3"], decode_inbox=["b:9", "c:9"])
+    assert list(ok.decode_inbox) == ["b:9", "c:9"]
+    for inboxes in (["b:9"], ["b:9", "c"]):  # one per decode engine, each HOST:PORT
+        with pytest.raises(ConfigError):
+            ProxyConfig(prefill=["http://a:1"], decode=["http://b:2", "http://c:3"], decode_inbox=inboxes)
+
+
+def test_a_block_corrupted_in_flight_is_never_linked(inbox: tuple[Inbox, InboxServer],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault the real link does not produce on demand: one byte of a block-layer flipped after the
+    sender hashed it. The inbox refuses the whole transfer; the producer saves the blocks itself."""
+    from kvport.transfer import tcp
+
+    box, srv = inbox
+    real = tcp.connect
+
+    def corrupting(*args: Any, **kw: Any) -> Any:
+        t = real(*args, **kw)
+        send = t.send
+        flipped = [False]
+
+        def bad_send(parts: list[memoryview]) -> None:
+            parts = list(parts)
+            for i, p in enumerate(parts):
+                if not flipped[0] and memoryview(p).nbytes == SPEC.bytes_per_layer_block:
+                    b = bytearray(p)
+                    b[7] ^= 0x40
+                    parts[i] = memoryview(b)
+                    flipped[0] = True
+            send(parts)
+
+        t.send = bad_send  # type: ignore[method-assign,assignment]
+        return t
+
+    monkeypatch.setattr(tcp, "connect", corrupting)
+    out = StreamOut(SPEC, PagedKV(engine_kv(16, seed=6), SPEC))
+    sc = StreamCopy(new_stream_id(), srv.address, copy_of(3, [1, 2, 3]), 0)
+    assert stream_all(out, [sc]) == [sc]  # not committed: saved to the store by the producer instead
+    slots, why = box.take(sc.stream, sc.copy.keys, Deadline.after(2.0))
+    assert slots == [] and why and box.free_blocks == box.capacity
+    out.close()

@@ -17,16 +17,19 @@ before any byte, a checksum per block-layer, credits, an all-or-nothing commit).
                     failed: the blocks go to the store
                     instead (the unstreamed hand-off)
                                                         the decode request (its kv_transfer_params name
-                                                        the stream): AsyncLoads takes the stream's
-                                                        slots for the request's own keys, scatters them
-                                                        into the paged KV, then puts them in the store
-                                                        (the next turn's prefill finds them)
+                                                        the stream; no store lookup): AsyncLoads takes
+                                                        the stream's slots for the request's own keys
+                                                        and scatters them into the paged KV; after the
+                                                        request's first step they are sealed and put in
+                                                        the store (the next turn's prefill finds them)
 
 A stream id is 128 random bits the producer's scheduler draws per request; the decode engine uses
 only blocks of the stream its own request names, and only under the keys it computed from its own
 prompt, so nothing else sent to the inbox can be linked into a request. Inbox slots are reserved
-whole at TRANSFER_BEGIN (a full inbox refuses the transfer: bounded memory, and the producer keeps
-the old path); a stream nobody takes lapses after ``ttl_s``.
+whole at TRANSFER_BEGIN (a full inbox refuses the transfer, and the rest of its stream: bounded
+memory; the producer saves those blocks to the store in the step, and the decode request, told at
+once, reads them there); a stream nobody takes within ``ttl_s`` goes to the store when its room is
+needed.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ phase has the machine's cores to itself):
    ``cache_salt`` of its own per request: vLLM's prefix cache misses), and the recompute TTFT of
    each chat's last turn.
 2. **kvport**: ``kvport serve`` (the shared tier), two prefill engines (kv_producer), one decode
-   engine (kv_consumer) and ``kvport proxy``. Per long prompt: the prefill request (``t_prefill``),
+   engine (kv_consumer, with an inbox: hand-offs are streamed to it layer by layer during the
+   prefill) and ``kvport proxy``. Per long prompt: the prefill request (``t_prefill``),
    then the decode request with its hand-off, streamed (``decode TTFT``: from the decode request to
    its first token, load included), then the same decode request again (its KV now in vLLM's own
    cache: the decode TTFT with nothing to load). Chats go through the proxy (OpenAI API), turn after
@@ -26,9 +27,12 @@ Results:
 * ``exposed_transfer_vs_ideal``: transfer time not hidden behind prefill over the ideal, the KV
   bytes at the raw loopback socket's rate measured in this run (``limits.raw_socket_gbps``), medians.
   The transfer time is what the connectors report (``kvport_vllm_connector_seconds_total`` on each
-  engine's /metrics): the prefill engine's save (after the step's forward: none of it overlaps the
-  prefill; the server's copy is written behind it, off the step) plus the decode engine's load
-  (before the request's first step); ``exposed_save_s`` and ``exposed_load_s`` are the two parts. Beside it,
+  engine's /metrics): the prefill engine's time in its steps on the hand-off (the stream: beginning
+  the transfer, handing each layer to the sender thread, then waiting after the forward for the last
+  layers and the decode engine's commit; plus any save in the step) and the decode engine's load
+  (taking the stream from its inbox and copying it into the paged KV, before the request's first
+  step); ``exposed_save_s`` and ``exposed_load_s`` are the two parts. The layers sent while the
+  forward computes the next ones are hidden: that is what streaming is for. Beside it,
   ``exposed_transfer_end_to_end_s`` takes it from outside: the prefill request's time beyond the
   colocated engine's TTFT of the same prompt, plus the decode TTFT beyond the same request's with
   nothing to load (two engines' noise included);
@@ -522,7 +526,7 @@ def run(opts: SuiteOptions, progress: Callable[[str], None] | None = None) -> Re
         "decode_ttft_nothing_to_load_s": _med(pd["decode_ttft_local_s"]),
         "prefill_request_s": _med(pd["prefill_s"]),
         "exposed_transfer_s": _med(pd["moved_s"]),
-        "exposed_save_s": _med(pd["save_s"]),  # the prefill engine's save in the step (the server's copy behind it)
+        "exposed_save_s": _med(pd["save_s"]),  # the prefill engine's time in its steps on the hand-off (stream, saves)
         "exposed_load_s": _med(pd["load_s"]),  # the decode engine's load of the hand-off
         "exposed_transfer_end_to_end_s": _med(outside),
         "ideal_transfer_s": round(ideal, 4) if ideal else None,

@@ -10,8 +10,10 @@ Modules, bottom up (only ``connector`` and ``runner`` import vLLM, and only when
     identity   engine_spec(): the KVSpec (config + weights + dtype + block size + layout) keys chain from
     plan       Planner: scheduler-side lookups, pending loads, per-step saves (pure)
     paged      PagedKV / Staging: vLLM's CPU paged layout and the copies to and from stored blocks
+    stream     the hand-off streamed layer by layer over kvport's transfer: StreamOut (producer),
+               Inbox / InboxServer (decode engine: Receivers landing blocks in preallocated slots)
     worker     BlockMover: tier <-> staging <-> paged KV, load errors, saves; AsyncLoads: hand-offs
-               loaded in the background (load_kv_async)
+               loaded in the background (load_kv_async), from the inbox or the store
     connector  KVPortConnector(KVConnectorBase_V1): the thin adapter vLLM loads by module path; roles
                kv_producer / kv_consumer / kv_both and the kv_transfer_params hand-off
     runner     one engine job in a fresh process (``python -m kvport.engines.vllm.runner``)

@@ -19,8 +19,11 @@ prefill on any engine loads turn n's KV.
 Roles (``kv_role``), with the ``kv_transfer_params`` hand-shake of vLLM's disaggregated connectors,
 so vLLM's usual proxy pattern (``kvport.engines.vllm.proxy``) works::
 
-    proxy --> prefill engine (kv_producer)   {"do_remote_decode": true}, max_tokens 1
-              computes the prompt, saves its blocks (the tiers above the server at once, the server
+    proxy --> prefill engine (kv_producer)   {"do_remote_decode": true, "kvport_dest": the decode
+              engine's inbox}, max_tokens 1: computes the prompt and streams each layer of its blocks to
+              that inbox as the forward computes it (:mod:`.stream`; a stream that fails is saved as
+              below instead), answers with the stream id in its hand-off.
+              Without an inbox: computes the prompt, saves its blocks (the tiers above the server at once, the server
               behind), answers {"do_remote_prefill": true, "kvport": {tokens, last key, its KVSpec,
               lease time}} and keeps its vLLM blocks until the hand-off commits: the worker leases
               the blocks in the shared tier for ``kvport_pd_lease_s`` once they are written there
@@ -28,8 +31,8 @@ so vLLM's usual proxy pattern (``kvport.engines.vllm.proxy``) works::
     proxy --> decode engine (kv_consumer)    the same prompt with those params
               checks the sender's KVSpec against its own (another model, revision, dtype, block
               size: refused, the first differing field logged and counted), loads the prefix from
-              the shared tier; anything not found or refused is recomputed, with the reason
-              counted in ``kvport_vllm_pd_loads_total{outcome}``
+              its inbox (streamed) or the shared tier; anything not found or refused is recomputed,
+              with the reason counted in ``kvport_vllm_pd_loads_total{outcome}``
 
 ``kv_both`` does both (and is what a single engine with a prefix cache uses). A producer ignores
 ``do_remote_prefill`` and a consumer ``do_remote_decode``: the role is enforced here, since vLLM
@@ -43,7 +46,7 @@ and share nothing but the disk folder and the metadata vLLM carries between them
     update_state_after_alloc    pending load
     build_connector_meta  --- KVPortMetadata(loads, saves) --->  start_load_kv     read blocks -> staging
                                                                  wait_for_layer_load(i)  staging -> paged KV
-                                                                 save_kv_layer     (nothing: see below)
+                                                                 save_kv_layer     streamed hand-offs only
                                                                  wait_for_save     paged KV -> tier
     update_from_output  <--- invalid_block_ids ---------------  get_block_ids_with_load_errors
 
@@ -55,8 +58,8 @@ WAITING_FOR_REMOTE_KVS, the worker's :class:`~.worker.AsyncLoads` thread fills i
 other requests' steps run, and ``get_finished`` reports it (its failed blocks with it) so that vLLM
 schedules it, recomputing what failed. Saves copy full
 blocks in ``wait_for_save``, after the forward of the step that computed them, when every
-layer of those blocks is final; ``save_kv_layer`` has nothing to overlap on a CPU (the copy is a
-memcpy on the same cores the model uses), so it does no work.
+layer of those blocks is final; ``save_kv_layer`` sends a streamed hand-off's layer as soon as the
+forward computed it (a view of the paged KV, no copy), and does nothing else.
 
 Compatibility: every key chains from the engine's KVSpec fingerprint (model config, weights,
 dtype, block size, layout), so KV of another model or revision is never found, never loaded; and

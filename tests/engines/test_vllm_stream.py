@@ -238,7 +238,8 @@ def test_stream_config_keys_and_the_proxy_s_inboxes() -> None:
     assert ConnectorConfig.from_extra_config({"kvport_server": "h:1"}).pd_inbox is None
     h = {"kvport_server": "h:1"}
     for bad in ({**h, "kvport_pd_inbox": "nohost"}, {**h, "kvport_pd_inbox_tokens": 0},
-                {**h, "kvport_pd_inbox_tokens": True}, {**h, "kvport_pd_stream": "yes"}):
+                {**h, "kvport_pd_inbox_tokens": True}, {**h, "kvport_pd_stream": "yes"},
+                {**h, "kvport_pd_inbox": "127.0.0.1:9", "kvport_async_handoff": False}):
         with pytest.raises(ConfigError):
             ConnectorConfig.from_extra_config(bad)
     ok = ProxyConfig(prefill=["http://a:1"], decode=["http://b:2", "http://c:3"], decode_inbox=["b:9", "c:9"])
@@ -282,3 +283,22 @@ def test_a_block_corrupted_in_flight_is_never_linked(inbox: tuple[Inbox, InboxSe
     slots, why = box.take(sc.stream, sc.copy.keys, Deadline.after(2.0))
     assert slots == [] and why and box.free_blocks == box.capacity
     out.close()
+
+
+def test_the_inbox_tracks_a_bounded_number_of_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Transfers begun and aborted under ids nobody asks for (a local peer probing the inbox) leave
+    their reason behind, not their slots; the inbox keeps at most MAX_STREAMS of them."""
+    from kvport.engines.vllm import stream as stream_mod
+    from kvport.errors import TierFullError, TransferError
+    from kvport.protocol.transfer import TransferMeta
+
+    monkeypatch.setattr(stream_mod, "MAX_STREAMS", 8)
+    box = Inbox(SPEC, 4, HEADER, ttl_s=3600.0)
+    keys = tuple(bytes(k) for k in chain_keys(list(range(4)), CTX))
+    for _ in range(8):
+        box.destination(TransferMeta(SPEC, new_stream_id(), keys)).abort()
+    assert box.free_blocks == 4
+    with pytest.raises(TierFullError, match="streams nobody took"):
+        box.destination(TransferMeta(SPEC, new_stream_id(), keys))
+    with pytest.raises(TransferError, match="names its stream"):  # an id that is not a stream id: refused
+        box.destination(TransferMeta(SPEC, "not-a-stream", keys))

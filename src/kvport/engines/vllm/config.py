@@ -139,6 +139,9 @@ class ConnectorConfig:
         inbox_tokens = cfg.get("kvport_pd_inbox_tokens", DEFAULT_INBOX_TOKENS)
         if not isinstance(inbox_tokens, int) or isinstance(inbox_tokens, bool) or not 0 < inbox_tokens <= 1 << 24:
             raise ConfigError(f"kvport_pd_inbox_tokens must be a positive integer, got {inbox_tokens!r}")
+        if inbox is not None and not async_handoff:
+            raise ConfigError("kvport_pd_inbox needs kvport_async_handoff: a streamed hand-off is taken from the inbox "
+                              "by the background loader")
         stream = cfg.get("kvport_pd_stream", True)
         if not isinstance(stream, bool):
             raise ConfigError(f"kvport_pd_stream must be true or false, got {stream!r}")

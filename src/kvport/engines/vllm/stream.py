@@ -70,6 +70,7 @@ _STREAMS = metrics.counter("vllm_pd_streams", "hand-offs streamed layer by layer
 _STREAM_ID = re.compile(r"[0-9a-f]{32}")
 DEST_KEY = "kvport_dest"  # a prefill request's kv_transfer_params: the decode inbox (HOST:PORT), set by the proxy
 IDLE_TIMEOUT_S = 3600.0
+MAX_STREAMS = 4096  # streams an inbox tracks at once (most hold slots; failed ones only their reason)
 RECEIVER_BUDGET_BYTES = 32 << 20  # bytes in flight per connection (credits); they land in the inbox at once
 
 
@@ -134,8 +135,11 @@ class Inbox:
         if not is_stream_id(meta.request_id):
             raise TransferError(f"a streamed hand-off names its stream (32 hex digits), got {meta.request_id[:40]!r}")
         with self._cond:
-            lapsed = self._lapse(time.monotonic()) if len(self._free) < meta.n_blocks else []
+            crowded = len(self._free) < meta.n_blocks or len(self._streams) >= MAX_STREAMS // 2
+            lapsed = self._lapse(time.monotonic()) if crowded else []
             err = self._streams[meta.request_id].error if meta.request_id in self._streams else ""
+            if meta.request_id not in self._streams and len(self._streams) >= MAX_STREAMS:
+                raise TierFullError(f"the inbox holds {len(self._streams)} streams nobody took yet")
             if len(self._free) < meta.n_blocks or err:
                 _STREAMS.labels(outcome="refused").inc()
                 why = err or (f"the inbox has {len(self._free)} free blocks of {self.capacity}, the transfer "
@@ -349,7 +353,8 @@ class StreamOut:
             sender = None
             try:
                 sender = self._connect(sc.dest)
-                h = sender.begin(meta, timeout_s=self.tail_s, deadline=Deadline.after(self.max_s))
+                # the decode engine's receiver answers at once; a step never waits long on one that does not
+                h = sender.begin(meta, timeout_s=min(1.0, self.tail_s), deadline=Deadline.after(self.max_s))
             except (KVPortError, OSError, ValueError) as exc:
                 log.warning("kvport: stream of request %s to %s not started (%s: %s); saved to the store instead",
                             sc.copy.req_id, sc.dest, type(exc).__name__, exc)

@@ -33,3 +33,7 @@ def test_pd_suite_quick_report(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     assert r["peer"]["skipped"] and r["ttft_vs_nixl_connector"] is None  # --quick: no peer, said so
     assert saved["limits"]["raw_socket_gbps"] and r["ideal_transfer_s"] and r["exposed_transfer_s"] is not None
     assert r["decode_ttft_s"] > 0 and r["colocated_ttft_s"] > 0
+    # the hand-offs were streamed into the decode engine's inbox over shared memory (the default), all committed
+    assert "shared memory" in saved["conditions"]["handoff"]
+    streams = r["handoff_streams"]
+    assert streams["committed"] >= 1 and streams["failed"] == 0 and streams["taken"] >= streams["committed"]

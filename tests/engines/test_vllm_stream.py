@@ -36,10 +36,11 @@ def engine_kv(num_blocks: int, seed: int | None) -> dict[str, torch.Tensor]:
     return {f"model.layers.{i}.self_attn.attn": make() for i in range(3)}
 
 
-@pytest.fixture
-def inbox() -> Iterator[tuple[Inbox, InboxServer]]:
+@pytest.fixture(params=["tcp", "shm"])
+def inbox(request: pytest.FixtureRequest) -> Iterator[tuple[Inbox, InboxServer]]:
+    """A decode engine's inbox on loopback TCP, and on shared memory (producers on this host)."""
     box = Inbox(SPEC, 8, HEADER, ttl_s=30.0)
-    srv = InboxServer(box, "127.0.0.1", 0)
+    srv = InboxServer(box, "127.0.0.1:0" if request.param == "tcp" else f"shm:kvport-test-{new_stream_id()[:12]}")
     yield box, srv
     srv.close()
 
@@ -131,7 +132,7 @@ def test_async_load_takes_the_stream_and_keeps_it_after_the_first_step(tmp_path:
 
 def test_a_stream_nobody_takes_goes_to_the_store_when_its_room_is_needed(tmp_path: Path) -> None:
     box = Inbox(SPEC, 2, HEADER, ttl_s=0.0)
-    srv = InboxServer(box, "127.0.0.1", 0)
+    srv = InboxServer(box, "127.0.0.1:0")
     st = open_store(StoreConfig(block_bytes=stored_bytes(SPEC), disk_dir=tmp_path / "d", disk_bytes=1 << 30))
     loads = AsyncLoads(SPEC, st, PagedKV(engine_kv(4, seed=None), SPEC), 2, inbox=box)  # its keeper keeps lapsed ones
     out = StreamOut(SPEC, PagedKV(engine_kv(8, seed=5), SPEC))
@@ -223,7 +224,8 @@ def test_planner_streams_every_prompt_block_once_and_saves_none_of_them() -> Non
 
 def test_parse_dest() -> None:
     assert parse_dest("127.0.0.1:9300") == "127.0.0.1:9300"
-    for bad in (None, 7, "host", "h:0", "h:99999", ":80", "x" * 400):
+    assert parse_dest("shm:kvport-inbox-1") == "shm:kvport-inbox-1"
+    for bad in (None, 7, "host", "h:0", "h:99999", ":80", "x" * 400, "shm:", "shm:a/b", "shm:" + "x" * 101):
         assert parse_dest(bad) is None
 
 
@@ -234,10 +236,13 @@ def test_stream_config_keys_and_the_proxy_s_inboxes() -> None:
 
     cfg = ConnectorConfig.from_extra_config({"kvport_server": "h:1", "kvport_pd_inbox": "127.0.0.1:9200",
                                              "kvport_pd_inbox_tokens": 4096})
-    assert cfg.pd_inbox == ("127.0.0.1", 9200) and cfg.pd_inbox_tokens == 4096 and cfg.pd_stream
+    assert cfg.pd_inbox == "127.0.0.1:9200" and cfg.pd_inbox_tokens == 4096 and cfg.pd_stream
+    assert ConnectorConfig.from_extra_config({"kvport_server": "h:1", "kvport_pd_inbox": "shm:inbox-1"}).pd_inbox \
+        == "shm:inbox-1"
     assert ConnectorConfig.from_extra_config({"kvport_server": "h:1"}).pd_inbox is None
     h = {"kvport_server": "h:1"}
-    for bad in ({**h, "kvport_pd_inbox": "nohost"}, {**h, "kvport_pd_inbox_tokens": 0},
+    for bad in ({**h, "kvport_pd_inbox": "nohost"}, {**h, "kvport_pd_inbox": "shm:a b"},
+                {**h, "kvport_pd_inbox_tokens": 0},
                 {**h, "kvport_pd_inbox_tokens": True}, {**h, "kvport_pd_stream": "yes"},
                 {**h, "kvport_pd_inbox": "127.0.0.1:9", "kvport_async_handoff": False}):
         with pytest.raises(ConfigError):
@@ -256,6 +261,8 @@ def test_a_block_corrupted_in_flight_is_never_linked(inbox: tuple[Inbox, InboxSe
     from kvport.transfer import tcp
 
     box, srv = inbox
+    if srv.address.startswith("shm:"):
+        pytest.skip("the fault is injected into the TCP transport")
     real = tcp.connect
 
     def corrupting(*args: Any, **kw: Any) -> Any:

@@ -53,7 +53,9 @@ Results:
 Options (``--set``): ``prompt_tokens`` (2048; quick 512), ``prompts`` (3; quick 1), ``chats`` (3;
 quick 1), ``turns`` (4; quick 2), ``answer_tokens`` (48; quick 16), ``overload_requests`` (12; quick
 4), ``peer`` (true; quick false), ``shm`` (true: the engines also share a /dev/shm folder, the
-same-host path; false: the kvport server only), ``keep`` (a folder to keep the engines' logs in).
+same-host path; false: the kvport server only), ``stream`` (shm: hand-offs streamed into the decode
+engine's inbox over shared memory; tcp: over loopback TCP; off: through the store), ``keep`` (a
+folder to keep the engines' logs in).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import secrets
 import statistics
 import threading
 import time
@@ -88,7 +91,7 @@ from kvport.engines.vllm.deploy import (
     stop_on_sigterm,
     wait_all,
 )
-from kvport.errors import KVPortError
+from kvport.errors import KVPortError, UserInputError
 
 MODEL = "kvport-model"
 BLOCK = 32
@@ -243,6 +246,7 @@ class _Opts:
     overload_requests: int
     peer: bool
     shm: bool
+    stream: str  # the decode engine's inbox: "shm" (shared memory, same host), "tcp" (loopback), "off"
 
 
 def _options(opts: SuiteOptions) -> _Opts:
@@ -254,7 +258,20 @@ def _options(opts: SuiteOptions) -> _Opts:
                  turns=opts.number("turns", 2 if q else 4, lo=2, integer=True),
                  answer_tokens=opts.number("answer_tokens", 16 if q else 48, lo=4, integer=True),
                  overload_requests=opts.number("overload_requests", 4 if q else 12, lo=1, integer=True), peer=peer,
-                 shm=str(opts.extra.get("shm", "true")).lower() not in ("false", "0", "no"))
+                 shm=str(opts.extra.get("shm", "true")).lower() not in ("false", "0", "no"),
+                 stream=_stream_option(opts.extra.get("stream", "shm")))
+
+
+HANDOFF_PATHS = {"shm": "streamed layer by layer into the decode engine's inbox over shared memory",
+                 "tcp": "streamed layer by layer into the decode engine's inbox over loopback TCP",
+                 "off": "through the store (the prefill engine saves, the decode engine loads)"}
+
+
+def _stream_option(value: object) -> str:
+    v = str(value).lower()
+    if v not in ("shm", "tcp", "off"):
+        raise UserInputError(f"--set stream= takes shm, tcp or off, got {value!r}")
+    return v
 
 
 # ------------------------------------------------------------------ phases
@@ -314,13 +331,17 @@ def _pd_phase(model: Path, root: Path, o: _Opts, prompts: list[list[int]], chats
         extra.update(kvport_disk_dir=shared.name, kvport_disk_capacity="4 GiB")
     pre = [EngineServer(model, free_port(), role="kv_producer", extra=extra, log=root / f"prefill{i}.log",
                         max_model_len=8192) for i in range(2)]
-    inbox = f"127.0.0.1:{listen_port()}"  # the hand-off streamed into the decode engine during the prefill
-    dec = EngineServer(model, free_port(), role="kv_consumer", extra={**extra, "kvport_pd_inbox": inbox},
+    # the hand-off streamed into the decode engine during the prefill (--set stream=off: through the store)
+    inbox = None if o.stream == "off" else (f"shm:kvport-bench-{secrets.token_hex(6)}" if o.stream == "shm"
+                                            else f"127.0.0.1:{listen_port()}")
+    dec = EngineServer(model, free_port(), role="kv_consumer",
+                       extra=extra if inbox is None else {**extra, "kvport_pd_inbox": inbox},
                        log=root / "decode.log", max_model_len=8192, env=decode_cpus_env())
     res: dict[str, Any] = {}
     try:
         with _engines([*pre, dec]):
-            proxy = ProxyServer([e.url for e in pre], [dec.url], root / "proxy.log", decode_inbox=[inbox]).start()
+            proxy = ProxyServer([e.url for e in pre], [dec.url], root / "proxy.log",
+                                decode_inbox=[] if inbox is None else [inbox]).start()
             try:
                 res = _pd_measure(o, prompts, chats, ref, pre, dec, proxy, inbox)
             finally:
@@ -347,7 +368,7 @@ def _handoff(pre: EngineServer, dec: EngineServer, prompt: list[int], max_tokens
 
 
 def _pd_measure(o: _Opts, prompts: list[list[int]], chats: list[list[dict[str, str]]], ref: dict[str, Any],
-                pre: list[EngineServer], dec: EngineServer, proxy: ProxyServer, inbox: str) -> dict[str, Any]:
+                pre: list[EngineServer], dec: EngineServer, proxy: ProxyServer, inbox: str | None) -> dict[str, Any]:
     for i, w in enumerate(_warmups(o)):  # every engine's first long prompts, and loads, are slow
         _handoff(pre[0], dec, w, 2, inbox)
         _handoff(pre[1], dec, w[::-1], 2, inbox)
@@ -369,6 +390,10 @@ def _pd_measure(o: _Opts, prompts: list[list[int]], chats: list[list[dict[str, s
         res["prompt_equal"].append(ok)
         res["diffs"].append(diff)
     # chats through the proxy (OpenAI API), turn after turn: consecutive turns on different prefill engines
+    # how the long prompts' hand-offs went: streamed and committed, or not (then through the store)
+    res["streams"] = {"committed": int(metric(pre[0].url, "kvport_vllm_pd_streams_total", outcome="committed")),
+                      "failed": int(metric(pre[0].url, "kvport_vllm_pd_streams_total", outcome="failed")),
+                      "taken": int(metric(dec.url, "kvport_vllm_pd_streams_total", outcome="taken"))}
     res["chat_equal"], res["hit_rates"], res["last_turn_ttft_s"] = [], [], []
     for opening, ref_turns in zip(chats, ref["chats"], strict=True):
         msgs = list(opening)
@@ -488,6 +513,7 @@ def run(opts: SuiteOptions, progress: Callable[[str], None] | None = None) -> Re
                       link=("a /dev/shm folder shared by the engines (same host), in front of kvport serve on "
                             "127.0.0.1 (TCP; every save written through)") if o.shm else
                            "kvport serve on 127.0.0.1 (TCP): the prefill engine writes, the decode engine reads",
+                      handoff=HANDOFF_PATHS[o.stream],
                       proxy="kvport proxy (OpenAI API)", server_capacity_bytes=SERVER_CAPACITY,
                       threads=("VLLM_CPU_NUM_OF_RESERVED_CPU=0 for every engine; VLLM_CPU_OMP_THREADS_BIND (a CPU "
                                "list) 0 for the colocated and every prefill engine, "
@@ -538,6 +564,7 @@ def run(opts: SuiteOptions, progress: Callable[[str], None] | None = None) -> Re
         "last_turn_ttft_s": last,
         "last_turn_recompute_ttft_s": recompute_last,
         "live_share_seconds": round(pd["live_share_s"], 4) if pd["live_share_s"] is not None else None,
+        "handoff_streams": pd.get("streams"),  # warm-ups and long prompts: committed / failed / taken
         "overload": pd["overload"],
         "lost_requests": pd["overload"]["lost_requests"],
         "peak_memory_vs_budget": ratio(pd["server_peak_rss_bytes"], SERVER_CAPACITY),

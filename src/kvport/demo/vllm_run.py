@@ -20,6 +20,7 @@ in the shared tier, and computes only the new question.
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -40,7 +41,6 @@ from kvport.engines.vllm.deploy import (
     ProxyServer,
     decode_cpus_env,
     free_port,
-    listen_port,
     stop_on_sigterm,
     wait_all,
 )
@@ -78,7 +78,8 @@ def run(users: int, rounds: int, max_new_tokens: int, json_path: Path | None, co
         srv = KVPortServer(root / "kvport-serve.log", ("--capacity", "2GiB")).start()
         extra = {"kvport_server": f"127.0.0.1:{srv.port}", "kvport_disk_dir": shared, "kvport_disk_capacity": "2 GiB"}
         pre = EngineServer(model, free_port(), role="kv_producer", extra=extra, log=root / "prefill.log")
-        inbox = f"127.0.0.1:{listen_port()}"  # where the prefill engine streams each hand-off, layer by layer
+        # where the prefill engine streams each hand-off, layer by layer: shared memory, both on this host
+        inbox = f"shm:kvport-demo-{secrets.token_hex(6)}"
         dec = EngineServer(model, free_port(), role="kv_consumer", extra={**extra, "kvport_pd_inbox": inbox},
                            log=root / "decode.log", env=decode_cpus_env())
         proxy: ProxyServer | None = None

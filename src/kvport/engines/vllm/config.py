@@ -20,10 +20,11 @@ Keys (all optional except a store location: a disk folder, a kvport server, or b
     kvport_pd_lease_s      a producer (kv_role kv_producer) leases a request's blocks
                            in the shared tier for this long when it hands them to a
                            decode engine; the decode engine's load must come by then  (30)
-    kvport_pd_inbox        a decode engine (kv_consumer) listens here, HOST:PORT, for
-                           hand-offs streamed layer by layer during the prefill
-                           (kvport.engines.vllm.stream); loopback unless
-                           KVPORT_AUTH_TOKEN is set (the link's shared secret)     (none)
+    kvport_pd_inbox        a decode engine (kv_consumer) listens here for hand-offs
+                           streamed layer by layer during the prefill
+                           (kvport.engines.vllm.stream): HOST:PORT (TCP; loopback
+                           unless KVPORT_AUTH_TOKEN is set, the link's shared secret)
+                           or shm:NAME (shared memory, producers on this host)      (none)
     kvport_pd_inbox_tokens tokens the decode engine's inbox holds (preallocated); a
                            transfer that does not fit is refused and the producer
                            saves to the store instead                              (8192)
@@ -63,6 +64,8 @@ from kvport.errors import ConfigError, UnitError
 from kvport.spec import KVSpec
 from kvport.units import parse_size
 
+from .stream_addr import parse_dest
+
 _PREFIX = "kvport_"
 _KNOWN = frozenset({
     "kvport_disk_dir", "kvport_disk_capacity", "kvport_staging_tokens", "kvport_model_revision",
@@ -94,7 +97,7 @@ class ConnectorConfig:
     pd_lease_s: float = 30.0
     async_handoff: bool = True
     idle_spin_s: float | None = None  # None: vLLM's own busy-poll window (1 s)
-    pd_inbox: tuple[str, int] | None = None  # decode engine: where streamed hand-offs arrive
+    pd_inbox: str | None = None  # decode engine: where streamed hand-offs arrive (HOST:PORT or shm:NAME)
     pd_inbox_tokens: int = DEFAULT_INBOX_TOKENS
     pd_stream: bool = True
 
@@ -135,7 +138,9 @@ class ConnectorConfig:
         spin = cfg.get("kvport_idle_spin_ms")
         if spin is not None and (isinstance(spin, bool) or not isinstance(spin, int | float) or not 0 <= spin <= 1000):
             raise ConfigError(f"kvport_idle_spin_ms must be milliseconds in [0, 1000], got {spin!r}")
-        inbox = _server(cfg.get("kvport_pd_inbox"), "kvport_pd_inbox", allow_port0=True)
+        inbox = cfg.get("kvport_pd_inbox")
+        if inbox is not None and parse_dest(inbox) is None:
+            raise ConfigError(f"kvport_pd_inbox must be HOST:PORT or shm:NAME, got {inbox!r}")
         inbox_tokens = cfg.get("kvport_pd_inbox_tokens", DEFAULT_INBOX_TOKENS)
         if not isinstance(inbox_tokens, int) or isinstance(inbox_tokens, bool) or not 0 < inbox_tokens <= 1 << 24:
             raise ConfigError(f"kvport_pd_inbox_tokens must be a positive integer, got {inbox_tokens!r}")
@@ -187,10 +192,10 @@ class ConnectorConfig:
         )
 
 
-def _server(value: Any, name: str = "kvport_server", allow_port0: bool = False) -> tuple[str, int] | None:
+def _server(value: Any) -> tuple[str, int] | None:
     if value is None:
         return None
     host, sep, port = str(value).rpartition(":")
-    if not sep or not host or not port.isdigit() or not (0 if allow_port0 else 1) <= int(port) < 65536:
-        raise ConfigError(f"{name} must be HOST:PORT, got {value!r}")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"kvport_server must be HOST:PORT, got {value!r}")
     return host.strip("[]"), int(port)

@@ -355,7 +355,7 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self.consumes and self.cfg.pd_inbox is not None:
             blocks = max(1, -(-self.cfg.pd_inbox_tokens // self.spec.block_size))
             self.inbox = Inbox(self.spec, blocks, self.mover.format.header_len, ttl_s=self.cfg.pd_lease_s)
-            self.inbox_server = InboxServer(self.inbox, *self.cfg.pd_inbox, secret=secret)
+            self.inbox_server = InboxServer(self.inbox, self.cfg.pd_inbox, secret=secret)
             log.info("kvport: decode engine's inbox on %s (%d blocks)", self.inbox_server.address, blocks)
         if self.produces and self.cfg.pd_stream:
             self.streams = StreamOut(self.spec, paged, secret)

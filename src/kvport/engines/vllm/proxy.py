@@ -42,7 +42,7 @@ from kvport.errors import ConfigError
 from kvport.extras import require
 from kvport.protocol.net import is_loopback
 
-from .stream import DEST_KEY, parse_dest
+from .stream_addr import DEST_KEY, parse_dest
 
 try:
     import aiohttp
@@ -67,7 +67,7 @@ class ProxyConfig:
     auth_token: str | None = field(default=None, repr=False)
     prefill_timeout_s: float = 300.0
     decode_timeout_s: float = 600.0
-    # the decode engines' inboxes (kvport_pd_inbox, HOST:PORT), in the order of ``decode``: the prefill
+    # the decode engines' inboxes (kvport_pd_inbox, HOST:PORT or shm:NAME), in the order of ``decode``: the prefill
     # engine streams the prompt's KV there during the prefill; empty: hand-offs go through the store
     decode_inbox: Sequence[str] = ()
 
@@ -82,7 +82,7 @@ class ProxyConfig:
                               "give one per engine, in the same order")
         for addr in self.decode_inbox:
             if parse_dest(addr) is None:
-                raise ConfigError(f"a decode inbox is HOST:PORT, got {addr!r}")
+                raise ConfigError(f"a decode inbox is HOST:PORT or shm:NAME, got {addr!r}")
         if not is_loopback(self.host) and not self.auth_token:
             raise ConfigError(f"the proxy binds {self.host}, beyond this machine: it needs an auth token "
                               "(--auth-token or KVPORT_AUTH_TOKEN)")

@@ -53,12 +53,14 @@ from kvport.errors import ConfigError, KVPortError, PeerError, TierFullError, Tr
 from kvport.keys import BlockKey
 from kvport.protocol.rejects import Rejected
 from kvport.protocol.transfer import TransferMeta
+from kvport.protocol.transport import Transport
 from kvport.spec import KVSpec
-from kvport.transfer import tcp
+from kvport.transfer import shm, tcp
 from kvport.transfer.receiver import Receiver
 from kvport.transfer.sender import LayerStreamer, Outgoing, Sender
 
 from .plan import StreamCopy
+from .stream_addr import DEST_KEY, SHM_PREFIX, parse_dest
 
 if TYPE_CHECKING:  # torch comes with the paged KV; the proxy imports this module without vLLM
     from .paged import PagedKV
@@ -68,10 +70,11 @@ log = logging.getLogger(__name__)
 _STREAMS = metrics.counter("vllm_pd_streams", "hand-offs streamed layer by layer, by outcome (producer: "
                            "committed, failed; decode: taken, partial, lapsed, refused)", ["outcome"])
 _STREAM_ID = re.compile(r"[0-9a-f]{32}")
-DEST_KEY = "kvport_dest"  # a prefill request's kv_transfer_params: the decode inbox (HOST:PORT), set by the proxy
 IDLE_TIMEOUT_S = 3600.0
 MAX_STREAMS = 4096  # streams an inbox tracks at once (most hold slots; failed ones only their reason)
 RECEIVER_BUDGET_BYTES = 32 << 20  # bytes in flight per connection (credits); they land in the inbox at once
+SHM_SLOT_BYTES, SHM_SLOTS = 4 << 20, 8  # a producer's ring to one inbox: 32 MiB
+SHM_FRAME_BYTES = 32 << 20  # on shared memory a frame is one hand-off to the peer: a layer of a step per frame
 
 
 def new_stream_id() -> str:
@@ -273,13 +276,22 @@ class InboxDestination:
 
 class InboxServer:
     """The decode worker's listener: every connection gets a :class:`Receiver` into the inbox.
-    Loopback by default; any other address needs the shared secret (KVPORT_AUTH_TOKEN)."""
+    ``address``: ``HOST:PORT`` (TCP; loopback by default, any other address needs the shared secret,
+    KVPORT_AUTH_TOKEN) or ``shm:NAME`` (shared memory, for producers on this host)."""
 
-    def __init__(self, inbox: Inbox, host: str, port: int, secret: bytes | None = None) -> None:
+    def __init__(self, inbox: Inbox, address: str, secret: bytes | None = None) -> None:
         self.inbox = inbox
-        # a producer keeps its connection between hand-offs: idle for minutes is normal; a dead peer is an EOF
-        self.listener = tcp.TcpListener(host, port, secret=secret, timeout_s=IDLE_TIMEOUT_S)
-        self.address = f"{self.listener.host}:{self.listener.port}"
+        if parse_dest(address) is None and not address.endswith(":0"):
+            raise ConfigError(f"an inbox listens on HOST:PORT or shm:NAME, got {address!r}")
+        self.listener: tcp.TcpListener | shm.ShmListener
+        if address.startswith(SHM_PREFIX):
+            self.listener = shm.ShmListener(address[len(SHM_PREFIX):])
+            self.address = address
+        else:
+            host, _, port = address.rpartition(":")
+            # a producer keeps its connection between hand-offs: idle for minutes is normal; a dead peer is an EOF
+            self.listener = tcp.TcpListener(host.strip("[]"), int(port), secret=secret, timeout_s=IDLE_TIMEOUT_S)
+            self.address = f"{self.listener.host}:{self.listener.port}"
         self._receivers: list[Receiver] = []
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="kvport-pd-inbox", daemon=True)
@@ -288,8 +300,15 @@ class InboxServer:
     def _accept(self) -> None:
         while not self._closed.is_set():
             try:
-                t = self.listener.accept(timeout_s=0.5)
-            except PeerError:
+                t: Transport
+                if isinstance(self.listener, shm.ShmListener):
+                    st = self.listener.accept(SHM_SLOT_BYTES, SHM_SLOTS, timeout_s=0.5)
+                    st.timeout_s = IDLE_TIMEOUT_S
+                    st.ctrl.settimeout(IDLE_TIMEOUT_S)
+                    t = st
+                else:
+                    t = self.listener.accept(timeout_s=0.5)
+            except (PeerError, OSError):  # nobody came (or the listener closed: the loop ends)
                 continue
             except KVPortError as exc:  # a peer that failed the handshake: logged, the listener goes on
                 log.warning("kvport: inbox connection refused (%s)", exc)
@@ -341,6 +360,12 @@ class StreamOut:
             if not isinstance(s.try_admit(), Rejected):  # an idle connection the peer closed is dropped
                 return s
             s.close()
+        if dest.startswith(SHM_PREFIX):
+            s_t = shm.connect(dest[len(SHM_PREFIX):], SHM_SLOT_BYTES, SHM_SLOTS, timeout_s=5.0)
+            s_t.timeout_s = IDLE_TIMEOUT_S  # kept between hand-offs; every wait has its own bound (tail_s, max_s)
+            s_t.ctrl.settimeout(IDLE_TIMEOUT_S)
+            return Sender(s_t, credit_timeout_s=self.tail_s, max_frame_bytes=SHM_FRAME_BYTES,
+                          batch_bytes=SHM_FRAME_BYTES)
         host, _, port = dest.rpartition(":")
         t = tcp.connect(host.strip("[]"), int(port), secret=self.secret, timeout_s=5.0)
         t.settimeout(IDLE_TIMEOUT_S)  # kept between hand-offs; every wait on it has its own bound (tail_s, max_s)
@@ -415,13 +440,5 @@ class StreamOut:
         self._idle.clear()
 
 
-def parse_dest(value: object) -> str | None:
-    """A decode inbox address from a request's kv_transfer_params: HOST:PORT, or None."""
-    if not isinstance(value, str) or len(value) > 300:
-        return None
-    host, sep, port = value.rpartition(":")
-    return value if sep and host and port.isdigit() and 0 < int(port) < 65536 else None
-
-
-__all__ = ["Inbox", "InboxDestination", "InboxServer", "StreamCopy", "StreamOut", "is_stream_id", "new_stream_id",
-           "parse_dest"]
+__all__ = ["DEST_KEY", "Inbox", "InboxDestination", "InboxServer", "StreamCopy", "StreamOut", "is_stream_id",
+           "new_stream_id", "parse_dest"]

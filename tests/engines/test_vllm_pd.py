@@ -199,7 +199,8 @@ def test_bad_hand_offs_are_recomputed_never_a_wrong_token_and_the_reason_is_logg
                  "max_tokens": 8, "temperature": 0.0, "logprobs": 1}, "never"))
     assert _external(pd.decode.url) == ext
     # sent for another engine: the sender's block size (and, next, revision) differ from the decode engine's
-    for seed, field, value in ((2, "block_size", 16), (3, "revision", "another-revision"), (4, "dtype", "bf16")):
+    for seed, field, value in ((2, "block_size", 16), (3, "revision", "another-revision"), (4, "dtype", "bf16"),
+                               (9, "model_id", "another-model")):
         p = _prompt(seed)
         params = _prefill(pd, p)
         params["kvport"]["spec"][field] = value
@@ -231,10 +232,11 @@ def test_bad_hand_offs_are_recomputed_never_a_wrong_token_and_the_reason_is_logg
                                     "logprobs": 1}, "corrupt"))
     text = log.read_text(errors="replace")
     # the outcomes are counted too, on vLLM's own /metrics (prometheus multiprocess mode: EngineServer sets it)
-    for outcome in ("never_sent", "spec_block_size", "spec_revision", "spec_dtype", "missing"):
+    for outcome in ("never_sent", "spec_block_size", "spec_revision", "spec_dtype", "spec_model_id", "missing"):
         assert _metric(pd.decode.url, "kvport_vllm_pd_loads_total", outcome=outcome) >= 1, outcome
     for why in ("the KV was never sent", "block_size is 16 there, 32 here", "revision is 'another-revision' there",
-                "dtype is 'bf16' there", "384 tokens handed over, 192 found", f"block {keys[5].hex()} refused"):
+                "dtype is 'bf16' there", "model_id is 'another-model' there", "384 tokens handed over, 192 found",
+                f"block {keys[5].hex()} refused"):
         assert why in text, why
 
 

@@ -73,7 +73,7 @@ def test_stream_lands_every_layer_and_only_the_named_stream_is_taken(inbox: tupl
     slots, why = box.take(sid, c.keys, Deadline.after(1.0))
     assert why == "" and len(slots) == 3
     for layer in range(SPEC.num_layers):
-        np.testing.assert_array_equal(box.layer(layer, slots), src.arrays[layer][[9, 2, 14]])
+        np.testing.assert_array_equal(box.layer(layer, box.rows(slots)), src.arrays[layer][[9, 2, 14]])
     box.release(slots)
     assert box.free_blocks == box.capacity
     out.close()

@@ -207,6 +207,11 @@ class ShmTransport:
         self._peer_gone = False
         self._closed = False
 
+    def settimeout(self, timeout_s: float | None) -> None:
+        """How long a wait on the peer (the control socket, ring space) may take from now on."""
+        self.timeout_s = timeout_s
+        self.ctrl.settimeout(timeout_s)
+
     # ------------------------------------------------------------------ registered memory
     def register(self, nbytes: int) -> memoryview:
         """A buffer the peer maps too: bytes sent *from* it travel as descriptors, and the receiver

@@ -126,12 +126,18 @@ class Inbox:
     def slot_view(self, slot: int) -> memoryview:
         return memoryview(self.array[slot])
 
-    def layer(self, layer: int, slots: Sequence[int]) -> np.ndarray:
-        """Layer ``layer``'s slabs of ``slots`` (n, slab): a view when the slots are consecutive."""
-        at = self.header + layer * self.slab
+    @staticmethod
+    def rows(slots: Sequence[int]) -> slice | np.ndarray:
+        """The index of ``slots`` into the inbox, once per load: a slice when they are consecutive
+        (then every layer's slabs are a view, no copy), else an index array."""
         if slots and all(b - a == 1 for a, b in itertools.pairwise(slots)):
-            return self.array[slots[0] : slots[-1] + 1, at : at + self.slab]
-        return self.array[np.asarray(slots, dtype=np.int64), at : at + self.slab]
+            return slice(slots[0], slots[-1] + 1)
+        return np.asarray(slots, dtype=np.int64)
+
+    def layer(self, layer: int, rows: slice | np.ndarray) -> np.ndarray:
+        """Layer ``layer``'s slabs of the slots ``rows`` (:meth:`rows`) names: (n, slab)."""
+        at = self.header + layer * self.slab
+        return self.array[rows, at : at + self.slab]
 
     # -- the receiver's side (its serve thread)
     def destination(self, meta: TransferMeta) -> InboxDestination:
@@ -303,8 +309,7 @@ class InboxServer:
                 t: Transport
                 if isinstance(self.listener, shm.ShmListener):
                     st = self.listener.accept(SHM_SLOT_BYTES, SHM_SLOTS, timeout_s=0.5)
-                    st.timeout_s = IDLE_TIMEOUT_S
-                    st.ctrl.settimeout(IDLE_TIMEOUT_S)
+                    st.settimeout(IDLE_TIMEOUT_S)
                     t = st
                 else:
                     t = self.listener.accept(timeout_s=0.5)
@@ -360,15 +365,15 @@ class StreamOut:
             if not isinstance(s.try_admit(), Rejected):  # an idle connection the peer closed is dropped
                 return s
             s.close()
+        # kept between hand-offs: the connection may idle; every wait on it has its own bound (tail_s, max_s)
         if dest.startswith(SHM_PREFIX):
             s_t = shm.connect(dest[len(SHM_PREFIX):], SHM_SLOT_BYTES, SHM_SLOTS, timeout_s=5.0)
-            s_t.timeout_s = IDLE_TIMEOUT_S  # kept between hand-offs; every wait has its own bound (tail_s, max_s)
-            s_t.ctrl.settimeout(IDLE_TIMEOUT_S)
+            s_t.settimeout(IDLE_TIMEOUT_S)
             return Sender(s_t, credit_timeout_s=self.tail_s, max_frame_bytes=SHM_FRAME_BYTES,
                           batch_bytes=SHM_FRAME_BYTES)
         host, _, port = dest.rpartition(":")
         t = tcp.connect(host.strip("[]"), int(port), secret=self.secret, timeout_s=5.0)
-        t.settimeout(IDLE_TIMEOUT_S)  # kept between hand-offs; every wait on it has its own bound (tail_s, max_s)
+        t.settimeout(IDLE_TIMEOUT_S)
         return Sender(t, credit_timeout_s=self.tail_s)
 
     def begin(self, copies: Sequence[StreamCopy]) -> None:

@@ -328,9 +328,10 @@ class AsyncLoads:
         m = self.mover
         t0 = time.perf_counter()
         ids = np.asarray(c.block_ids[: len(slots)], dtype=np.int64)
+        rows = inbox.rows(slots)
         try:
             for layer in range(m.spec.num_layers):
-                m.paged.scatter_layer(layer, ids, inbox.layer(layer, slots))
+                m.paged.scatter_layer(layer, ids, inbox.layer(layer, rows))
         except BaseException:
             inbox.release(slots)
             raise

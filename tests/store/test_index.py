@@ -64,3 +64,25 @@ def test_refused_keys_are_skipped_and_kept() -> None:
     assert order == ["b"]
     assert k("a") in ix
     assert next(iter(ix.victims())) == k("a")  # still a candidate once allowed
+
+
+def test_hits_without_eviction_keep_the_heap_bounded() -> None:
+    """Every hit leaves a stale heap item behind; a pool that is only read compacts them away
+    (the heap stays within 2 x entries + 64), and the eviction order is the one the hits made."""
+    for policy in ("lru", "lfu", "slru"):
+        ix = TierIndex(make_policy(policy), 100)
+        ix.add(k("r"), 1)
+        ix.add(k("s"), 1, parent=k("r"))  # r is no leaf: its hits push nothing
+        letters = "abcdefgh"
+        for c in letters:
+            ix.add(k(c), 1)
+        most = 0
+        for i in range(20_000):
+            ix.touch(k(letters[i % len(letters)]) if i % 3 else k("r"))
+            most = max(most, ix.heap_items)
+        assert most <= 2 * len(ix) + 64, policy
+        if policy != "lfu":
+            for c in reversed(letters):
+                ix.touch(k(c))
+            # s was never hit; r (its parent) leaves next; then the letters, least recent first
+            assert evict_to(ix, 0) == ["s", "r", *reversed(letters)], policy

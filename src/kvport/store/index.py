@@ -10,6 +10,12 @@ parent never leaves before its children::
     heap of (priority, seq, key) for leaves only; lazy deletion:
     an entry is stale when the key is gone, its priority changed, or it gained a child.
     When a leaf leaves, its parent may become a leaf and is pushed with its current priority.
+
+Every hit pushes an entry and leaves the old one stale, so a pool that is read but never evicts
+would grow the heap without bound. A push that finds the heap over ``2 x entries + 64`` compacts
+it: every stale item dropped, one item kept per leaf (the one that would pop first), heapified.
+Each compaction drops more than half the heap, so it costs O(1) per push amortised, and it never
+changes the eviction order (only items that would be skipped are dropped).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvport.store.eviction import EvictionPolicy
+
+_HEAP_SLACK = 64  # compact once the heap holds more than 2 x entries + this many items
 
 
 @dataclass(slots=True)
@@ -59,8 +67,29 @@ class TierIndex:
         e = self._entries.get(key)
         return 0 if e is None else e.children
 
+    @property
+    def heap_items(self) -> int:
+        """Items in the eviction heap, live and stale: at most ``2 x len(self) + 64`` after any change."""
+        return len(self._heap)
+
     def _push(self, key: bytes, e: _Entry) -> None:
         heapq.heappush(self._heap, (e.priority, next(self._seq), key))
+        if len(self._heap) > 2 * len(self._entries) + _HEAP_SLACK:
+            self._compact()
+
+    def _live(self, item: tuple[float, int, bytes]) -> bool:
+        e = self._entries.get(item[2])
+        return e is not None and e.priority == item[0] and not e.children
+
+    def _compact(self) -> None:
+        """Drop the stale items, keeping per leaf the item that pops first (in place: ``victims``
+        may be iterating over the heap)."""
+        first: dict[bytes, tuple[float, int, bytes]] = {}
+        for item in self._heap:
+            if self._live(item) and (item[2] not in first or item < first[item[2]]):
+                first[item[2]] = item
+        self._heap[:] = first.values()
+        heapq.heapify(self._heap)
 
     # ------------------------------------------------------------------ changes
     def add(self, key: bytes, size: int, parent: bytes | None = None) -> None:
@@ -117,9 +146,8 @@ class TierIndex:
         try:
             while self._heap:
                 item = heapq.heappop(self._heap)
-                prio, _, key = item
-                e = self._entries.get(key)
-                if e is None or e.priority != prio or e.children:
+                key = item[2]
+                if not self._live(item):
                     continue  # stale
                 if not evictable(key):
                     skipped.append(item)

@@ -11,6 +11,9 @@ KVPORT_MODEL_DIR            converted reference model folder (HF format)        
 KVPORT_PROFILE              calibration profile path                                $KVPORT_HOME/profile.json
 KVPORT_REDIS_URL            Redis tier URL                                          (none)
 KVPORT_AUTH_TOKEN           shared secret for non-loopback servers                  (none)
+KVPORT_PD_SECRET            the shared secret of a PD deployment's hand-off links   KVPORT_AUTH_TOKEN
+                            (every decode engine's inbox; >= 16 bytes; kvport's
+                            deployments generate one per deployment)
 KVPORT_LOG_LEVEL            logging level                                           WARNING
 KVPORT_TRACE_DIR            folder of benchmark traces (``bench trace``)            <checkout>/../shared/traces
 KVPORT_LOAD_DEADLINE        a load's deadline: ``MIN_S:FACTOR:MAX_S`` -- FACTOR x   1:4:30
@@ -38,6 +41,7 @@ class Settings:
     profile_path: Path
     redis_url: str | None = None
     auth_token: str | None = field(default=None, repr=False)
+    pd_secret: str | None = field(default=None, repr=False)
     log_level: str = "WARNING"
     trace_dir: Path | None = None
     load_deadline: DeadlinePolicy = field(default_factory=DeadlinePolicy)
@@ -55,6 +59,7 @@ class Settings:
             profile_path=Path(e.get("KVPORT_PROFILE") or home / "profile.json"),
             redis_url=e.get("KVPORT_REDIS_URL") or None,
             auth_token=e.get("KVPORT_AUTH_TOKEN") or None,
+            pd_secret=e.get("KVPORT_PD_SECRET") or e.get("KVPORT_AUTH_TOKEN") or None,
             log_level=level,
             trace_dir=Path(e["KVPORT_TRACE_DIR"]).expanduser() if e.get("KVPORT_TRACE_DIR") else None,
             load_deadline=_deadline_policy(e.get("KVPORT_LOAD_DEADLINE")),

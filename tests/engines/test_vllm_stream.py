@@ -27,6 +27,12 @@ from kvport.spec import DType, KVSpec, Layout
 SPEC = KVSpec("m", num_layers=3, num_kv_heads=2, head_dim=8, dtype=DType.FP32, block_size=4, layout=Layout.VLLM_CPU)
 CTX = KeyContext(block_size=4, spec_fingerprint=SPEC.fingerprint)
 HEADER = block_format(SPEC).header_len
+SECRET = b"a-deployment-secret-of-32-bytes!"  # every inbox link authenticates (kvport.transfer.links)
+
+
+def producer(paged: PagedKV, *dests: str, spec: KVSpec = SPEC, **kw: Any) -> StreamOut:
+    """A producer worker's StreamOut allowed to stream to ``dests`` (its deployment's inboxes)."""
+    return StreamOut(spec, paged, SECRET, dests, **kw)
 
 
 def engine_kv(num_blocks: int, seed: int | None) -> dict[str, torch.Tensor]:
@@ -40,7 +46,8 @@ def engine_kv(num_blocks: int, seed: int | None) -> dict[str, torch.Tensor]:
 def inbox(request: pytest.FixtureRequest) -> Iterator[tuple[Inbox, InboxServer]]:
     """A decode engine's inbox on loopback TCP, and on shared memory (producers on this host)."""
     box = Inbox(SPEC, 8, HEADER, ttl_s=30.0)
-    srv = InboxServer(box, "127.0.0.1:0" if request.param == "tcp" else f"shm:kvport-test-{new_stream_id()[:12]}")
+    srv = InboxServer(box, "127.0.0.1:0" if request.param == "tcp" else f"shm:kvport-test-{new_stream_id()[:12]}",
+                      SECRET)
     yield box, srv
     srv.close()
 
@@ -63,7 +70,7 @@ def copy_of(n: int, ids: list[int], req: str = "r") -> BlockCopy:
 def test_stream_lands_every_layer_and_only_the_named_stream_is_taken(inbox: tuple[Inbox, InboxServer]) -> None:
     box, srv = inbox
     src = PagedKV(engine_kv(16, seed=1), SPEC)
-    out = StreamOut(SPEC, src)
+    out = producer(src, srv.address)
     sid = new_stream_id()
     c = copy_of(3, [9, 2, 14])
     assert stream_all(out, [StreamCopy(sid, srv.address, c, 0)]) == []
@@ -92,7 +99,7 @@ def test_async_load_takes_the_stream_and_keeps_it_after_the_first_step(tmp_path:
                                                                        inbox: tuple[Inbox, InboxServer]) -> None:
     box, srv = inbox
     src_kv, dst_kv = engine_kv(16, seed=2), engine_kv(16, seed=None)
-    out = StreamOut(SPEC, PagedKV(src_kv, SPEC))
+    out = producer(PagedKV(src_kv, SPEC), srv.address)
     sid = new_stream_id()
     keys = chain_keys(list(range(20)), CTX)  # 5 blocks: 2 streamed, the 3rd only in the store, 4-5 nowhere
     c = BlockCopy("r", tuple(keys[:2]), (3, 7))
@@ -132,10 +139,10 @@ def test_async_load_takes_the_stream_and_keeps_it_after_the_first_step(tmp_path:
 
 def test_a_stream_nobody_takes_goes_to_the_store_when_its_room_is_needed(tmp_path: Path) -> None:
     box = Inbox(SPEC, 2, HEADER, ttl_s=0.0)
-    srv = InboxServer(box, "127.0.0.1:0")
+    srv = InboxServer(box, "127.0.0.1:0", SECRET)
     st = open_store(StoreConfig(block_bytes=stored_bytes(SPEC), disk_dir=tmp_path / "d", disk_bytes=1 << 30))
     loads = AsyncLoads(SPEC, st, PagedKV(engine_kv(4, seed=None), SPEC), 2, inbox=box)  # its keeper keeps lapsed ones
-    out = StreamOut(SPEC, PagedKV(engine_kv(8, seed=5), SPEC))
+    out = producer(PagedKV(engine_kv(8, seed=5), SPEC), srv.address)
     try:
         first = StreamCopy(new_stream_id(), srv.address, copy_of(2, [0, 1]), 0)
         assert stream_all(out, [first]) == []
@@ -159,12 +166,12 @@ def test_incompatible_full_or_dead_inbox_falls_back_to_the_store(inbox: tuple[In
     # another dtype: refused at TRANSFER_BEGIN with the field named, before any byte
     other = dataclasses.replace(SPEC, dtype=DType.FP16)
     sc = StreamCopy(new_stream_id(), srv.address, copy_of(2, [1, 2]), 0)
-    out = StreamOut(other, paged)
+    out = producer(paged, srv.address, spec=other)
     assert stream_all(out, [sc]) == [sc]
-    assert any("dtype" in str(e) for e in _refusals(srv))
+    assert wait_until(lambda: any("dtype" in str(e) for e in srv.refusals()))
     # more blocks than the inbox holds: refused whole (bounded memory), saved the old way
     big = StreamCopy(new_stream_id(), srv.address, copy_of(9, list(range(9))), 0)
-    out = StreamOut(SPEC, paged)
+    out = producer(paged, srv.address, "127.0.0.1:1")
     assert stream_all(out, [big]) == [big]
     assert box.free_blocks == box.capacity
     # nobody listening
@@ -175,13 +182,9 @@ def test_incompatible_full_or_dead_inbox_falls_back_to_the_store(inbox: tuple[In
     out.close()
 
 
-def _refusals(srv: InboxServer) -> list[Exception]:
-    return [e for r in srv._receivers for e in r.refusals]
-
-
 def test_a_stream_cut_mid_transfer_links_nothing(inbox: tuple[Inbox, InboxServer]) -> None:
     box, srv = inbox
-    out = StreamOut(SPEC, PagedKV(engine_kv(16, seed=4), SPEC), tail_s=1.0)
+    out = producer(PagedKV(engine_kv(16, seed=4), SPEC), srv.address, tail_s=1.0)
     sc = StreamCopy(new_stream_id(), srv.address, copy_of(2, [5, 6]), 0)
     out.begin([sc])
     out.layer(0)  # the producer dies after one layer
@@ -284,7 +287,7 @@ def test_a_block_corrupted_in_flight_is_never_linked(inbox: tuple[Inbox, InboxSe
         return t
 
     monkeypatch.setattr(tcp, "connect", corrupting)
-    out = StreamOut(SPEC, PagedKV(engine_kv(16, seed=6), SPEC))
+    out = producer(PagedKV(engine_kv(16, seed=6), SPEC), srv.address)
     sc = StreamCopy(new_stream_id(), srv.address, copy_of(3, [1, 2, 3]), 0)
     assert stream_all(out, [sc]) == [sc]  # not committed: saved to the store by the producer instead
     slots, why = box.take(sc.stream, sc.copy.keys, Deadline.after(2.0))

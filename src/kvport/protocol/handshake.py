@@ -4,8 +4,11 @@
 
     server -> AUTH_CHALLENGE {nonce_s: 32 random bytes, auth: "hmac-sha256", server: name, info: {str: int}}
     client -> AUTH_RESPONSE  {nonce_c: 32 random bytes, who: principal, client: instance label,
-                              mac: HMAC-SHA256(key, LABEL | "c" | nonce_s | nonce_c | who)   (b"" without a key)}
-    server -> AUTH_OK        {who, mac: HMAC-SHA256(key, LABEL | "s" | nonce_c | nonce_s | who)  (b"" without a key)}
+                              dest: the address the client dialled ("" : unbound),
+                              mac: HMAC-SHA256(key, LABEL | "c" | nonce_s | nonce_c | who [| 0 | dest])
+                              (b"" without a key)}
+    server -> AUTH_OK        {who, mac: HMAC-SHA256(key, LABEL | "s" | nonce_c | nonce_s | who [| 0 | dest])
+                              (b"" without a key)}
               | ERROR {AuthError} and close
 
 ``who`` names the principal whose key signs: a tenant of a kvport server, or the holder of a
@@ -13,7 +16,13 @@ transfer link's shared secret. ``client`` labels one client instance (a process)
 ``(who, client)`` as the holder of leases and pins. The key is the tenant's token (server) or the
 shared secret (transfer). The direction byte stops a reflected answer, a fresh nonce on each side
 makes a recorded answer useless, both sides compare with :func:`hmac.compare_digest`, and an unknown
-principal is answered exactly like a wrong key (same work, same message). A principal without a
+principal is answered exactly like a wrong key (same work, same message).
+
+**Destination binding.** A server given ``names`` (the addresses it is dialled by) accepts only an
+answer whose ``dest``, covered by the MAC, is one of them. A relay -- a listener that gets a client
+to dial it and passes the real server's challenge through -- then fails: the client signed the
+relay's address, not the server's. The transfer links bind every connection this way
+(:mod:`kvport.transfer.links`). A principal without a
 key is accepted with an empty mac only; a listener beyond loopback refuses to start with one
 (checked where listeners are built).
 
@@ -44,21 +53,26 @@ LABEL = b"kvport.auth.v2"
 NONCE_BYTES = 32
 MAC_BYTES = 32
 MAX_NAME = 64
+MAX_DEST = 300  # an address: HOST:PORT or shm:NAME
 MAX_INFO = 16
 HANDSHAKE_LIMITS = Limits(max_meta_bytes=1024, max_payload_bytes=1, max_chunk_bytes=1, max_chunks=1)
 _DUMMY_KEY = secrets.token_bytes(32)
 
 
-def client_mac(key: bytes | None, nonce_s: bytes, nonce_c: bytes, who: str) -> bytes:
-    if not key:
-        return b""
-    return hmac.new(key, LABEL + b"c" + nonce_s + nonce_c + who.encode(), hashlib.sha256).digest()
+def _bound(who: str, dest: str) -> bytes:
+    return who.encode() + (b"\0" + dest.encode() if dest else b"")
 
 
-def server_mac(key: bytes | None, nonce_s: bytes, nonce_c: bytes, who: str) -> bytes:
+def client_mac(key: bytes | None, nonce_s: bytes, nonce_c: bytes, who: str, dest: str = "") -> bytes:
     if not key:
         return b""
-    return hmac.new(key, LABEL + b"s" + nonce_c + nonce_s + who.encode(), hashlib.sha256).digest()
+    return hmac.new(key, LABEL + b"c" + nonce_s + nonce_c + _bound(who, dest), hashlib.sha256).digest()
+
+
+def server_mac(key: bytes | None, nonce_s: bytes, nonce_c: bytes, who: str, dest: str = "") -> bytes:
+    if not key:
+        return b""
+    return hmac.new(key, LABEL + b"s" + nonce_c + nonce_s + _bound(who, dest), hashlib.sha256).digest()
 
 
 def _nonce(meta: dict[str, Any], name: str) -> bytes:
@@ -92,14 +106,19 @@ class Response:
     who: str
     client: str
     mac: bytes
+    dest: str = ""  # the address the client dialled, covered by the mac ("": not bound)
 
     def to_meta(self) -> dict[str, Any]:
-        return {"nonce_c": self.nonce, "who": self.who, "client": self.client, "mac": self.mac}
+        meta = {"nonce_c": self.nonce, "who": self.who, "client": self.client, "mac": self.mac}
+        if self.dest:
+            meta["dest"] = self.dest
+        return meta
 
     @classmethod
     def from_meta(cls, m: dict[str, Any]) -> Response:
+        dest = str_field(m, "dest", MAX_DEST) if "dest" in m else ""
         return cls(_nonce(m, "nonce_c"), str_field(m, "who", MAX_NAME), str_field(m, "client", MAX_NAME),
-                   bytes_field(m, "mac", MAC_BYTES))
+                   bytes_field(m, "mac", MAC_BYTES), dest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,24 +147,27 @@ class Peer:
 KeyLookup = Callable[[str], tuple[bool, bytes | None]]
 
 
-def check_response(keys: KeyLookup, nonce_s: bytes, r: Response) -> bytes | None:
-    """The principal's key when its answer is right; AuthError otherwise (same work either way)."""
+def check_response(keys: KeyLookup, nonce_s: bytes, r: Response,
+                   names: frozenset[str] | None = None) -> bytes | None:
+    """The principal's key when its answer is right (and, given ``names``, signed for one of them);
+    AuthError otherwise (same work, same message, whatever was wrong)."""
     known, key = keys(r.who)
-    expected = client_mac(key if known else _DUMMY_KEY, nonce_s, r.nonce, r.who)
+    expected = client_mac(key if known else _DUMMY_KEY, nonce_s, r.nonce, r.who, r.dest)
     ok = hmac.compare_digest(expected, r.mac) if expected else r.mac == b""
-    if not (ok and known):
+    if not (ok and known) or (names is not None and r.dest not in names):
         raise AuthError("authentication failed")
     return key
 
 
-def check_welcome(key: bytes | None, nonce_s: bytes, nonce_c: bytes, who: str, w: Welcome) -> None:
-    if w.who != who or not hmac.compare_digest(server_mac(key, nonce_s, nonce_c, who), w.mac):
+def check_welcome(key: bytes | None, nonce_s: bytes, nonce_c: bytes, who: str, w: Welcome, dest: str = "") -> None:
+    if w.who != who or not hmac.compare_digest(server_mac(key, nonce_s, nonce_c, who, dest), w.mac):
         raise AuthError("server failed to prove it holds the key")
 
 
 # ---------------------------------------------------------------------- blocking shell
-def client_handshake(io: FrameIO, who: str, key: bytes | None, client: str) -> Peer:
-    """Answer the server's challenge; the server's name and info once it proved itself."""
+def client_handshake(io: FrameIO, who: str, key: bytes | None, client: str, dest: str = "") -> Peer:
+    """Answer the server's challenge (signed for ``dest``, the address dialled, when given); the
+    server's name and info once it proved itself."""
     limits, io.limits = io.limits, HANDSHAKE_LIMITS
     try:
         hdr, meta = io.read_head()
@@ -153,14 +175,14 @@ def client_handshake(io: FrameIO, who: str, key: bytes | None, client: str) -> P
             raise ProtocolError(f"expected AUTH_CHALLENGE, got {hdr.msg_type.name}")
         ch = Challenge.from_meta(meta)
         nonce_c = secrets.token_bytes(NONCE_BYTES)
-        answer = Response(nonce_c, who, client, client_mac(key, ch.nonce, nonce_c, who))
+        answer = Response(nonce_c, who, client, client_mac(key, ch.nonce, nonce_c, who, dest), dest)
         io.send(MsgType.AUTH_RESPONSE, answer.to_meta())
         hdr, meta = io.read_head()
         if hdr.flags & Flags.ERROR or hdr.msg_type is MsgType.ERROR:
             raise AuthError(f"server refused {who!r}: {str(meta.get('message', ''))[:200]}")
         if hdr.msg_type is not MsgType.AUTH_OK or hdr.payload_len:
             raise ProtocolError(f"expected AUTH_OK, got {hdr.msg_type.name}")
-        check_welcome(key, ch.nonce, nonce_c, who, Welcome.from_meta(meta))
+        check_welcome(key, ch.nonce, nonce_c, who, Welcome.from_meta(meta), dest)
         return Peer(who, ch.server, ch.info)
     except (AuthError, PeerError):  # refused, or the connection itself failed (not an auth answer)
         raise
@@ -180,6 +202,7 @@ class ServerSide:
     server: str
     keys: KeyLookup
     info: dict[str, int] = field(default_factory=dict)
+    names: frozenset[str] | None = None  # the addresses this server is dialled by (None: unbound answers too)
     nonce: bytes = field(default_factory=lambda: secrets.token_bytes(NONCE_BYTES))
 
     def challenge(self) -> dict[str, Any]:
@@ -191,17 +214,19 @@ class ServerSide:
             raise ProtocolError(f"expected AUTH_RESPONSE, got {hdr.msg_type.name}")
         r = Response.from_meta(meta)
         try:
-            key = check_response(self.keys, self.nonce, r)
+            key = check_response(self.keys, self.nonce, r, self.names)
         except AuthError as exc:
             return MsgType.ERROR, error_meta(exc), Flags.RESPONSE | Flags.ERROR, exc
-        welcome = Welcome(r.who, server_mac(key, self.nonce, r.nonce, r.who))
+        welcome = Welcome(r.who, server_mac(key, self.nonce, r.nonce, r.who, r.dest))
         return MsgType.AUTH_OK, welcome.to_meta(), Flags.RESPONSE, Peer(r.who, r.client)
 
 
-def server_handshake(io: FrameIO, server: str, keys: KeyLookup, info: dict[str, int] | None = None) -> Peer:
-    """Challenge the client; the authenticated principal, or AuthError (after telling the client)."""
+def server_handshake(io: FrameIO, server: str, keys: KeyLookup, info: dict[str, int] | None = None,
+                     names: frozenset[str] | None = None) -> Peer:
+    """Challenge the client; the authenticated principal, or AuthError (after telling the client).
+    ``names``: accept only answers signed for one of these addresses (destination binding)."""
     limits, io.limits = io.limits, HANDSHAKE_LIMITS
-    side = ServerSide(server, keys, info or {})
+    side = ServerSide(server, keys, info or {}, names)
     try:
         io.send(MsgType.AUTH_CHALLENGE, side.challenge())
         hdr, meta = io.read_head()

@@ -48,7 +48,9 @@ class TcpListener:
             raise PeerError(f"cannot listen on {host}:{port}: {exc}") from exc
         self.host, self.port = self.sock.getsockname()[:2]
 
-    def accept(self, timeout_s: float | None = 30.0) -> TcpTransport:
+    def accept_socket(self, timeout_s: float | None = 30.0) -> tuple[socket.socket, str]:
+        """The next connected socket (tuned) and the peer's address, before any byte is exchanged:
+        the caller authenticates it (:mod:`kvport.transfer.links` does, on the connection's thread)."""
         self.sock.settimeout(timeout_s)
         try:
             conn, addr = self.sock.accept()
@@ -57,7 +59,11 @@ class TcpListener:
         except OSError as exc:
             raise PeerError(f"accept failed: {exc}") from exc
         tune(conn, self.buf_bytes)
-        t = TcpTransport(conn, self.timeout_s, name=f"tcp<-{addr[0]}:{addr[1]}")
+        return conn, f"{addr[0]}:{addr[1]}"
+
+    def accept(self, timeout_s: float | None = 30.0) -> TcpTransport:
+        conn, peer = self.accept_socket(timeout_s)
+        t = TcpTransport(conn, self.timeout_s, name=f"tcp<-{peer}")
         if self.secret:
             secret = self.secret
             try:

@@ -22,9 +22,15 @@ Keys (all optional except a store location: a disk folder, a kvport server, or b
                            decode engine; the decode engine's load must come by then  (30)
     kvport_pd_inbox        a decode engine (kv_consumer) listens here for hand-offs
                            streamed layer by layer during the prefill
-                           (kvport.engines.vllm.stream): HOST:PORT (TCP; loopback
-                           unless KVPORT_AUTH_TOKEN is set, the link's shared secret)
-                           or shm:NAME (shared memory, producers on this host)      (none)
+                           (kvport.engines.vllm.stream): HOST:PORT (TCP) or shm:NAME
+                           (shared memory, producers on this host). Every connection
+                           authenticates with KVPORT_PD_SECRET, signed for the
+                           inbox's address: an inbox needs the secret             (none)
+    kvport_pd_inbox_names  further addresses producers dial this inbox by (its
+                           public HOST:PORT when it binds 0.0.0.0)                   ([])
+    kvport_pd_destinations a producer streams only to these decode inboxes (the
+                           proxy's --decode-inbox list); a request naming another is
+                           saved to the store instead                                 ([])
     kvport_pd_inbox_tokens tokens the decode engine's inbox holds (preallocated); a
                            transfer that does not fit is refused and the producer
                            saves to the store instead                              (8192)
@@ -72,7 +78,7 @@ _KNOWN = frozenset({
     "kvport_expect_spec", "kvport_tenant_salt", "kvport_profile", "kvport_load_deadline",
     "kvport_server", "kvport_server_tenant", "kvport_host_capacity", "kvport_save_generated", "kvport_pd_lease_s",
     "kvport_async_handoff", "kvport_idle_spin_ms", "kvport_server_write", "kvport_pd_inbox",
-    "kvport_pd_inbox_tokens", "kvport_pd_stream",
+    "kvport_pd_inbox_tokens", "kvport_pd_stream", "kvport_pd_inbox_names", "kvport_pd_destinations",
 })
 DEFAULT_INBOX_TOKENS = 8192
 DEFAULT_DISK_CAPACITY = 8 * 1024**3
@@ -100,6 +106,8 @@ class ConnectorConfig:
     pd_inbox: str | None = None  # decode engine: where streamed hand-offs arrive (HOST:PORT or shm:NAME)
     pd_inbox_tokens: int = DEFAULT_INBOX_TOKENS
     pd_stream: bool = True
+    pd_inbox_names: tuple[str, ...] = ()  # decode engine: other addresses its inbox is dialled by
+    pd_destinations: frozenset[str] = frozenset()  # producer: the decode inboxes it may stream to
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -147,6 +155,8 @@ class ConnectorConfig:
         if inbox is not None and not async_handoff:
             raise ConfigError("kvport_pd_inbox needs kvport_async_handoff: a streamed hand-off is taken from the inbox "
                               "by the background loader")
+        names = _addresses(cfg, "kvport_pd_inbox_names")
+        destinations = _addresses(cfg, "kvport_pd_destinations")
         stream = cfg.get("kvport_pd_stream", True)
         if not isinstance(stream, bool):
             raise ConfigError(f"kvport_pd_stream must be true or false, got {stream!r}")
@@ -183,13 +193,23 @@ class ConnectorConfig:
             host_capacity_bytes=host, save_generated=save_generated,
             pd_lease_s=float(lease), async_handoff=async_handoff,
             idle_spin_s=None if spin is None else spin / 1000.0,
-            pd_inbox=inbox, pd_inbox_tokens=inbox_tokens, pd_stream=stream,
+            pd_inbox=inbox, pd_inbox_tokens=inbox_tokens, pd_stream=stream, pd_inbox_names=names,
+            pd_destinations=frozenset(destinations),
             disk_capacity_bytes=capacity,
             staging_tokens=staging,
             model_revision=revision,
             expect_spec=None if expect is None else KVSpec.from_dict(expect),
             tenant_salt=salt,
         )
+
+
+def _addresses(cfg: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = cfg.get(key, [])
+    if isinstance(value, str):  # one address, or several separated by commas
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, list | tuple) or len(value) > 1024 or any(parse_dest(v) is None for v in value):
+        raise ConfigError(f"{key} must be a list of HOST:PORT or shm:NAME addresses, got {value!r}")
+    return tuple(value)
 
 
 def _server(value: Any) -> tuple[str, int] | None:

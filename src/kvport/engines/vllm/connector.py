@@ -108,7 +108,7 @@ from .identity import check_expected, engine_spec
 from .paged import PagedKV
 from .plan import BlockCopy, HandOff, Planner, ScheduledRequest, StepPlan
 from .spin import limit_idle_spin
-from .stream import DEST_KEY, Inbox, InboxServer, StreamOut, is_stream_id, new_stream_id, parse_dest
+from .stream import DEST_KEY, STREAM_OUTCOMES, Inbox, InboxServer, StreamOut, is_stream_id, new_stream_id, parse_dest
 from .worker import SECONDS, AsyncLoads, BlockMover, WorkerStats
 
 require("vllm", __name__)  # another release that imports is refused too: hooks and layouts change between them
@@ -216,6 +216,7 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.streams: StreamOut | None = None  # worker side, producer: hand-offs streamed layer by layer
         self.inbox: Inbox | None = None  # worker side, decode engine: where they arrive
         self.inbox_server: InboxServer | None = None
+        self._warned_dests: set[str] = set()  # scheduler side: kvport_dest values refused, logged once each
 
     # ================================================================ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -229,7 +230,10 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                 probe=probe)
         if handed.get("do_remote_decode") and self.produces and self.cfg.pd_stream:
             dest = parse_dest(handed.get(DEST_KEY))
-            if dest is not None and self.planner.streamed(request.request_id) is None:
+            if dest is not None and dest not in self.cfg.pd_destinations:
+                # only the inboxes this deployment configured: a request never picks where its KV goes
+                self._pd_refused_dest(dest)
+            elif dest is not None and self.planner.streamed(request.request_id) is None:
                 self.planner.stream_to(request.request_id, new_stream_id(), dest)
         if handed.get("do_remote_prefill") and self.consumes:
             n = self._check_handed(request, handed, num_computed_tokens, n)
@@ -251,6 +255,13 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         stream = kv.get("stream") if isinstance(kv, dict) else None
         return stream if isinstance(stream, str) and is_stream_id(stream) else None
 
+    def _pd_refused_dest(self, dest: str) -> None:
+        STREAM_OUTCOMES.labels(outcome="refused_dest").inc()
+        if dest not in self._warned_dests and len(self._warned_dests) < 64:
+            self._warned_dests.add(dest)
+            log.warning("kvport: a request asks to stream its KV to %r, which is not one of kvport_pd_destinations "
+                        "%s; saved to the store for its decode engine instead", dest, sorted(self.cfg.pd_destinations))
+
     def _pd(self, outcome: str, req_id: str, why: str = "") -> None:
         _PD.labels(outcome=outcome).inc()
         if why:
@@ -260,37 +271,47 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """The decode side of a hand-off: the sender's contract first, then what the store holds."""
         rid = request.request_id
         kv = handed.get(PD_KEY)
+        stream = self._stream_of(request)
+        if stream is not None:  # once: a load that failed comes back here for the rest (store or recompute)
+            self._stream_tried.add(rid)
         if not isinstance(kv, dict) or kv.get("v") != PD_VERSION:
             self._pd("never_sent", rid, "do_remote_prefill without kvport's hand-off (the KV was never sent)")
-            return 0
+            return self._no_stream(stream, 0)
         try:
             sent = KVSpec.from_dict(kv["spec"])
             tokens = int(kv["tokens"])
         except (KVPortError, KeyError, TypeError, ValueError) as exc:
             self._pd("bad_params", rid, f"unreadable kvport hand-off ({type(exc).__name__}: {exc})")
-            return 0
+            return self._no_stream(stream, 0)
         mismatch = self.spec.first_mismatch(sent)
         if mismatch is not None:
             name, mine, theirs = mismatch
             self._pd(f"spec_{name}", rid, f"KV sent for another engine: {name} is {theirs!r} there, {mine!r} here")
-            return 0
+            return self._no_stream(stream, 0)
         want = min(tokens, max(0, len(request.prompt_token_ids or []) - 1) // self.spec.block_size
                    * self.spec.block_size) - local
-        stream = self._stream_of(request)
         if stream is not None and want > 0:
-            # once: a load that failed comes back here for the rest, which the store has or vLLM computes
-            self._stream_tried.add(rid)
             # streamed to this engine's inbox during the prefill: the worker takes it from there (the
             # store for what the stream lacks; recomputed what neither has, the reason logged)
             self.planner.expect_stream(rid, local + want, stream)
             self._pd("streamed", rid)
             return want
+        if stream is not None:  # this engine's own cache holds the handed-over prompt: nothing to load
+            self._pd("local", rid)
+            return self._no_stream(stream, 0)
         if hit < want:
             self._pd("missing", rid, f"{want} tokens handed over, {hit} found in the store (evicted, lapsed "
                                       "or never written)")
             return hit
         self._pd("loaded", rid)
         return hit
+
+    def _no_stream(self, stream: str | None, n: int) -> int:
+        """The hand-off will not be taken from ``stream``: its inbox slots are freed at the next step
+        (not held until the stream lapses)."""
+        if stream is not None:
+            self.planner.discard_stream(stream)
+        return n
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -350,15 +371,19 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         paged = PagedKV(kv_caches, self.spec)
         staging = max(1, -(-self.cfg.staging_tokens // self.spec.block_size))
         self.mover = BlockMover(self.spec, self.store, paged, staging, self.cfg.load_deadline)
-        token = Settings.from_env().auth_token
+        token = Settings.from_env().pd_secret  # the deployment's hand-off secret: every inbox link authenticates
         secret = token.encode() if token else None
         if self.consumes and self.cfg.pd_inbox is not None:
             blocks = max(1, -(-self.cfg.pd_inbox_tokens // self.spec.block_size))
             self.inbox = Inbox(self.spec, blocks, self.mover.format.header_len, ttl_s=self.cfg.pd_lease_s)
-            self.inbox_server = InboxServer(self.inbox, self.cfg.pd_inbox, secret=secret)
+            self.inbox_server = InboxServer(self.inbox, self.cfg.pd_inbox, secret, self.cfg.pd_inbox_names)
             log.info("kvport: decode engine's inbox on %s (%d blocks)", self.inbox_server.address, blocks)
-        if self.produces and self.cfg.pd_stream:
-            self.streams = StreamOut(self.spec, paged, secret)
+        if self.produces and self.cfg.pd_stream and self.cfg.pd_destinations:
+            if secret is None:
+                log.warning("kvport: kvport_pd_destinations given but no KVPORT_PD_SECRET: hand-offs are saved to "
+                            "the store, not streamed")
+            else:
+                self.streams = StreamOut(self.spec, paged, secret, self.cfg.pd_destinations)
         if self.consumes and self.cfg.async_handoff:
             self.async_loads = AsyncLoads(self.spec, self.store, paged, staging, self.cfg.load_deadline, self.inbox)
 
@@ -374,6 +399,9 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         forward computes it."""
         super().bind_connector_metadata(connector_metadata)
         plan = connector_metadata.plan if isinstance(connector_metadata, KVPortMetadata) else None
+        if plan is not None and plan.discards and self.inbox is not None:
+            for stream in plan.discards:
+                self.inbox.discard(stream)
         if plan is not None and plan.streams and self.streams is not None:
             t0 = time.perf_counter()
             self.streams.begin(plan.streams)

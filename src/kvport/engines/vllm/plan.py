@@ -76,6 +76,7 @@ class StepPlan:
     handoffs: tuple[HandOff, ...] = ()  # committed by the worker (lease, then reported as sent)
     streams: tuple[StreamCopy, ...] = ()  # sent layer by layer during this step's forward
     kept: tuple[str, ...] = ()  # decode engine: streamed hand-offs whose first step runs now (then kept)
+    discards: tuple[str, ...] = ()  # decode engine: streams no request will take (their inbox slots freed now)
 
     @property
     def load_blocks(self) -> int:
@@ -127,6 +128,7 @@ class Planner:
         self._reqs: dict[str, _Request] = {}
         self._async: list[BlockCopy] = []  # async loads accepted since the last step
         self._handoffs: list[HandOff] = []  # hand-offs finished since the last step
+        self._discards: list[str] = []  # streams given up since the last step
 
     def _state(self, req_id: str, prompt: Sequence[int], salt: bytes) -> _Request:
         st = self._reqs.get(req_id)
@@ -196,6 +198,11 @@ class Planner:
             st.hit_tokens = max(st.hit_tokens, tokens - tokens % self.block_size)
             st.stream_in = stream
 
+    def discard_stream(self, stream: str) -> None:
+        """A decode engine's hand-off that will not be taken from its stream (the engine's own cache
+        holds the prompt, or the hand-off was refused): the next step frees the stream's inbox slots."""
+        self._discards.append(stream)
+
     def step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         loads: list[BlockCopy] = []
         saves: list[BlockCopy] = []
@@ -246,7 +253,8 @@ class Planner:
                 st.saved_upto = done
         async_loads, self._async = tuple(self._async), []
         handoffs, self._handoffs = tuple(self._handoffs), []
-        return StepPlan(tuple(loads), tuple(saves), async_loads, handoffs, tuple(streams), tuple(kept))
+        discards, self._discards = tuple(self._discards), []
+        return StepPlan(tuple(loads), tuple(saves), async_loads, handoffs, tuple(streams), tuple(kept), discards)
 
     def hand_off(self, req_id: str, lease_s: float) -> tuple[BlockKey, ...]:
         """A producer's finished request handed to a decode engine: its prompt's keys, and a

@@ -41,7 +41,8 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -53,10 +54,9 @@ from kvport.errors import ConfigError, KVPortError, PeerError, TierFullError, Tr
 from kvport.keys import BlockKey
 from kvport.protocol.rejects import Rejected
 from kvport.protocol.transfer import TransferMeta
-from kvport.protocol.transport import Transport
 from kvport.spec import KVSpec
-from kvport.transfer import shm, tcp
-from kvport.transfer.receiver import Receiver
+from kvport.transfer import links
+from kvport.transfer.receiver import InState, Receiver
 from kvport.transfer.sender import LayerStreamer, Outgoing, Sender
 
 from .plan import StreamCopy
@@ -67,11 +67,18 @@ if TYPE_CHECKING:  # torch comes with the paged KV; the proxy imports this modul
 
 log = logging.getLogger(__name__)
 
-_STREAMS = metrics.counter("vllm_pd_streams", "hand-offs streamed layer by layer, by outcome (producer: "
-                           "committed, failed; decode: taken, partial, lapsed, refused)", ["outcome"])
+STREAM_OUTCOMES = metrics.counter(
+    "vllm_pd_streams", "hand-offs streamed layer by layer, by outcome (producer: committed, failed, refused_dest "
+    "-- a kvport_dest not among kvport_pd_destinations; decode: taken, partial, lapsed, refused, discarded -- "
+    "its request did not need it)", ["outcome"])
 _STREAM_ID = re.compile(r"[0-9a-f]{32}")
-IDLE_TIMEOUT_S = 3600.0
-MAX_STREAMS = 4096  # streams an inbox tracks at once (most hold slots; failed ones only their reason)
+IDLE_TIMEOUT_S = 3600.0  # a producer keeps its connection between hand-offs: idle for long is normal
+MAX_STREAMS = 4096  # streams an inbox holds at once (accepted ones only)
+MAX_REFUSED = 1024  # reasons kept for streams refused before anything landed (their decode requests ask)
+MAX_SPENT = 65536  # ids taken, discarded or lapsed, remembered so that none is filled again (~6 MiB at most)
+SPENT_MIN_S = 600.0  # ... for at least this long (or the inbox's ttl_s, when longer)
+MAX_CONNECTIONS = 64  # producer connections an inbox serves at once (a thread and ~1 MiB each)
+TRANSFER_S = 120.0  # a transfer still receiving this long after its TRANSFER_BEGIN is abandoned
 RECEIVER_BUDGET_BYTES = 32 << 20  # bytes in flight per connection (credits); they land in the inbox at once
 SHM_SLOT_BYTES, SHM_SLOTS = 4 << 20, 8  # a producer's ring to one inbox: 32 MiB
 SHM_FRAME_BYTES = 32 << 20  # on shared memory a frame is one hand-off to the peer: a layer of a step per frame
@@ -88,16 +95,29 @@ def is_stream_id(value: object) -> bool:
 # ---------------------------------------------------------------------- decode side
 @dataclass(slots=True)
 class _Stream:
-    slots: dict[BlockKey, int] = field(default_factory=dict)  # committed blocks
+    slots: dict[BlockKey, int] = field(default_factory=dict)  # committed blocks, each verified whole
+    pending: set[BlockKey] = field(default_factory=set)  # blocks of its transfers still receiving
     open: int = 0  # transfers of it still receiving
     error: str = ""  # why a transfer of it failed (the rest is recomputed)
-    taken: bool = False  # a request took it while a transfer of it was open: that one's blocks go back
     t: float = field(default_factory=time.monotonic)
 
 
 class Inbox:
     """Preallocated slots, one stored block each (envelope header + every layer's slab), where
-    streamed blocks land; ``take`` hands a stream's blocks to the request that names it."""
+    streamed blocks land; ``take`` hands a stream's blocks to the request that names it.
+
+    A stream id's life, and what each state accepts::
+
+        unknown --TRANSFER_BEGIN accepted--> open (transfers landing, committed blocks held)
+        open    --take / discard / lapse----> spent      (its slots go to the request, back, or to the store)
+        open    --a block written twice-----> open, void (error set: take returns only what came before)
+        unknown --TRANSFER_BEGIN refused----> refused    (the reason kept, bounded, for the decode request)
+        spent   --TRANSFER_BEGIN------------> refused    (single-use: an id is never filled again)
+
+    A transfer lands in whole blocks only: every layer of each block (``[0, num_layers)``) in one
+    transfer, so a block in a stream is complete by construction once its transfer committed (the
+    receiver's bitmap: every block-layer exactly once, each verified). A block key is written once
+    per stream: a transfer naming a key the stream holds or is receiving voids the stream."""
 
     def __init__(self, spec: KVSpec, capacity_blocks: int, header: int, ttl_s: float = 30.0) -> None:
         if capacity_blocks <= 0:
@@ -109,6 +129,8 @@ class Inbox:
         self.ttl_s = ttl_s
         self._free = list(range(capacity_blocks - 1, -1, -1))  # pop() gives ascending slots
         self._streams: dict[str, _Stream] = {}
+        self._spent: OrderedDict[str, float] = OrderedDict()  # ids taken, discarded or lapsed: never again
+        self._refused: OrderedDict[str, str] = OrderedDict()  # ids refused before any transfer landed: why
         self._cond = threading.Condition()
         # given a lapsed stream's (key, slot) pairs, keeps them (in the store) and releases the slots;
         # None: the slots are freed at once
@@ -122,6 +144,12 @@ class Inbox:
     def free_blocks(self) -> int:
         with self._cond:
             return len(self._free)
+
+    @property
+    def streams(self) -> int:
+        """Streams open now (the ones that hold slots or may still receive)."""
+        with self._cond:
+            return len(self._streams)
 
     def slot_view(self, slot: int) -> memoryview:
         return memoryview(self.array[slot])
@@ -141,27 +169,81 @@ class Inbox:
 
     # -- the receiver's side (its serve thread)
     def destination(self, meta: TransferMeta) -> InboxDestination:
-        if not is_stream_id(meta.request_id):
-            raise TransferError(f"a streamed hand-off names its stream (32 hex digits), got {meta.request_id[:40]!r}")
-        with self._cond:
-            crowded = len(self._free) < meta.n_blocks or len(self._streams) >= MAX_STREAMS // 2
-            lapsed = self._lapse(time.monotonic()) if crowded else []
-            err = self._streams[meta.request_id].error if meta.request_id in self._streams else ""
-            if meta.request_id not in self._streams and len(self._streams) >= MAX_STREAMS:
-                raise TierFullError(f"the inbox holds {len(self._streams)} streams nobody took yet")
-            if len(self._free) < meta.n_blocks or err:
-                _STREAMS.labels(outcome="refused").inc()
-                why = err or (f"the inbox has {len(self._free)} free blocks of {self.capacity}, the transfer "
-                              f"needs {meta.n_blocks}")
-                # the stream is void (its decode request goes to the store at once, not after a wait)
-                self._streams.setdefault(meta.request_id, _Stream()).error = why
-                self._hand_lapsed(lapsed)
-                raise TierFullError(why)
-            slots = [self._free.pop() for _ in range(meta.n_blocks)]
-            st = self._streams.setdefault(meta.request_id, _Stream())
-            st.open += 1
-        self._hand_lapsed(lapsed)
-        return InboxDestination(self, meta, slots)
+        sid = meta.request_id
+        if not is_stream_id(sid):
+            raise TransferError(f"a streamed hand-off names its stream (32 hex digits), got {sid[:40]!r}")
+        if meta.layers != range(self.spec.num_layers):
+            raise TransferError(f"a streamed hand-off carries whole blocks (layers [0, {self.spec.num_layers})), "
+                                f"this one layers [{meta.layers.start}, {meta.layers.stop})")
+        keys = [BlockKey(k) for k in meta.block_keys]
+        if not keys or len(set(keys)) != len(keys):
+            raise TransferError(f"a streamed hand-off names distinct blocks, got {len(keys)} keys, "
+                                f"{len(set(keys))} distinct")
+        lapsed: list[tuple[BlockKey, int]] = []
+        try:
+            with self._cond:
+                now = time.monotonic()
+                self._forget_spent(now)
+                if len(self._free) < len(keys) or len(self._streams) >= MAX_STREAMS // 2:
+                    lapsed = self._lapse(now)
+                slots = self._reserve(sid, keys)
+        finally:  # outside the lock: the keeper puts lapsed blocks in the store, then frees their slots
+            self._hand_lapsed(lapsed)
+        return InboxDestination(self, meta, keys, slots)
+
+    def _reserve(self, sid: str, keys: list[BlockKey]) -> list[int]:
+        """Whole slots for one transfer of stream ``sid`` (callers hold the lock), or the typed refusal."""
+        if sid in self._spent:
+            raise self._refuse(sid, "the stream was taken or released already: a stream id is single-use")
+        st = self._streams.get(sid)
+        if st is not None and st.error:
+            raise self._refuse(sid, st.error)
+        if st is not None and any(k in st.slots or k in st.pending for k in keys):
+            st.error = "a block of the stream arrived twice (a stream's blocks are written once)"
+            self._cond.notify_all()
+            raise self._refuse(sid, st.error)
+        if st is None and len(self._streams) >= MAX_STREAMS:
+            raise self._refuse(sid, f"the inbox holds {len(self._streams)} streams nobody took yet")
+        if len(self._free) < len(keys):
+            why = f"the inbox has {len(self._free)} free blocks of {self.capacity}, the transfer needs {len(keys)}"
+            if st is not None:  # the rest of the stream is void: its decode request goes to the store at once
+                st.error = why
+                self._cond.notify_all()
+            raise self._refuse(sid, why)
+        if st is None:
+            st = self._streams[sid] = _Stream()
+            self._refused.pop(sid, None)
+        slots = [self._free.pop() for _ in keys]
+        st.pending.update(keys)
+        st.open += 1
+        return slots
+
+    def _refuse(self, sid: str, why: str) -> TierFullError:
+        STREAM_OUTCOMES.labels(outcome="refused").inc()
+        if sid not in self._streams and sid not in self._spent:  # told at once to its decode request (bounded)
+            self._refused[sid] = why
+            self._refused.move_to_end(sid)
+            while len(self._refused) > MAX_REFUSED:
+                self._refused.popitem(last=False)
+        self._cond.notify_all()
+        return TierFullError(why)
+
+    def _spend(self, sid: str) -> None:
+        """``sid`` will never be filled again (callers hold the lock)."""
+        self._spent[sid] = time.monotonic()
+        self._spent.move_to_end(sid)
+        while len(self._spent) > MAX_SPENT:
+            self._spent.popitem(last=False)
+
+    def _forget_spent(self, now: float) -> None:
+        """Ids spent longer ago than a stream may live (a producer's transfer ends within ``ttl_s``
+        of its prefill at the latest) are dropped: the table stays bounded by time and count."""
+        horizon = max(self.ttl_s, SPENT_MIN_S)
+        while self._spent:
+            t = next(iter(self._spent.values()))
+            if now - t <= horizon:
+                break
+            self._spent.popitem(last=False)
 
     def _hand_lapsed(self, lapsed: list[tuple[BlockKey, int]]) -> None:
         if not lapsed:
@@ -171,28 +253,28 @@ class Inbox:
         else:
             self.on_lapse(lapsed)
 
-    def _commit(self, stream: str, keys: Sequence[bytes], slots: list[int]) -> None:
+    def _commit(self, sid: str, keys: Sequence[BlockKey], slots: list[int]) -> None:
+        """Every block-layer of the transfer arrived once and verified: its whole blocks join the stream."""
         with self._cond:
-            st = self._streams.get(stream)
-            if st is None or st.taken:  # lapsed or taken meanwhile: nobody will use these
+            st = self._streams.get(sid)
+            if st is None:  # taken, discarded or lapsed meanwhile: nobody will use these
                 self._free.extend(slots)
-                if st is not None:
-                    st.open -= 1
                 return
             st.open -= 1
-            for key, slot in zip(keys, slots, strict=True):
-                old = st.slots.pop(BlockKey(key), None)
-                if old is not None:
-                    self._free.append(old)
-                st.slots[BlockKey(key)] = slot
+            st.pending.difference_update(keys)
+            if st.error:  # void: its blocks are not linked (the request reads the store or recomputes)
+                self._free.extend(slots)
+            else:
+                st.slots.update(zip(keys, slots, strict=True))
             self._cond.notify_all()
 
-    def _abort(self, stream: str, slots: list[int], why: str) -> None:
+    def _abort(self, sid: str, keys: Sequence[BlockKey], slots: list[int], why: str) -> None:
         with self._cond:
             self._free.extend(slots)
-            st = self._streams.get(stream)
+            st = self._streams.get(sid)
             if st is not None:
                 st.open -= 1
+                st.pending.difference_update(keys)
                 st.error = st.error or why
             self._cond.notify_all()
 
@@ -202,26 +284,29 @@ class Inbox:
         held: list[tuple[BlockKey, int]] = []
         for sid in [s for s, st in self._streams.items() if now - st.t > self.ttl_s and st.open == 0]:
             st = self._streams.pop(sid)
+            self._spend(sid)
             held.extend(st.slots.items())
             if st.slots:
-                _STREAMS.labels(outcome="lapsed").inc()
+                STREAM_OUTCOMES.labels(outcome="lapsed").inc()
                 log.warning("kvport: streamed hand-off %s… not taken in %.0f s; its %d blocks go to the store",
                             sid[:8], self.ttl_s, len(st.slots))
         return held
 
-    # -- the decode request's side (the async loader)
+    # -- the decode request's side (the async loader, the scheduler's plan)
     def take(self, stream: str, keys: Sequence[BlockKey], deadline: Deadline,
              unknown_wait_s: float = 1.0) -> tuple[list[int], str]:
         """Slots of the leading ``keys`` the stream holds, once no transfer of it is open, one of them
         failed, or the deadline passed (a stream never heard of is waited for ``unknown_wait_s`` at
-        most: the prefill answered only after its transfer ended). The stream is the caller's from now
-        on: :meth:`release` returns the slots. Returns (slots, why fewer than asked)."""
+        most: the prefill answered only after its transfer ended). The stream is spent: its slots
+        are the caller's from now on (:meth:`release` returns them), the rest are freed, and nothing
+        lands under its id again. Returns (slots, why fewer than asked)."""
         t0 = time.monotonic()
 
         def settled() -> bool:
             st = self._streams.get(stream)
-            if st is None or st.taken:
-                return time.monotonic() - t0 >= unknown_wait_s
+            if st is None:
+                return stream in self._spent or stream in self._refused or \
+                    time.monotonic() - t0 >= unknown_wait_s
             # no transfer of it open: final (the prefill engine answered only after its last one ended)
             return bool(st.error) or st.open == 0
 
@@ -232,11 +317,15 @@ class Inbox:
                     wait = min(wait, max(0.0, unknown_wait_s - (time.monotonic() - t0)))
                 self._cond.wait(max(0.001, min(wait, 0.5)))
             st = self._streams.pop(stream, None)
-            if st is None or st.taken:
-                if st is not None:
-                    self._streams[stream] = st
-                _STREAMS.labels(outcome="partial").inc()
+            if st is None:
+                STREAM_OUTCOMES.labels(outcome="partial").inc()
+                if stream in self._spent:
+                    return [], "the stream was taken already (a stream id is single-use)"
+                refused = self._refused.pop(stream, None)
+                if refused is not None:
+                    return [], f"the inbox refused the stream ({refused})"
                 return [], "the stream never reached this decode engine (its transfer failed or went elsewhere)"
+            self._spend(stream)
             taken: list[int] = []
             for k in keys:
                 slot = st.slots.pop(k, None)
@@ -244,13 +333,27 @@ class Inbox:
                     break
                 taken.append(slot)
             self._free.extend(st.slots.values())  # blocks the request does not use (its vLLM cache had them)
-            if st.open:  # still receiving: its slots come back when the transfer ends (lapsed: freed there)
-                self._streams[stream] = _Stream(open=st.open, taken=True, t=st.t)
+            # transfers of it still open: their commits find the stream gone and free their slots
         why = ""
         if len(taken) < len(keys):
             why = st.error or ("past the load deadline" if deadline.expired else "blocks missing from the stream")
-        _STREAMS.labels(outcome="taken" if not why else "partial").inc()
+        STREAM_OUTCOMES.labels(outcome="taken" if not why else "partial").inc()
         return taken, why
+
+    def discard(self, stream: str) -> int:
+        """The decode request that names ``stream`` will not take it (its engine's own cache held the
+        prompt, or its hand-off was refused): its slots are freed at once and the id is spent.
+        Returns how many blocks it held."""
+        with self._cond:
+            st = self._streams.pop(stream, None)
+            self._refused.pop(stream, None)
+            self._spend(stream)
+            if st is None:
+                return 0
+            self._free.extend(st.slots.values())
+            self._cond.notify_all()
+        STREAM_OUTCOMES.labels(outcome="discarded").inc()
+        return len(st.slots)
 
     def release(self, slots: Sequence[int]) -> None:
         with self._cond:
@@ -258,78 +361,125 @@ class Inbox:
 
 
 class InboxDestination:
-    """Where one transfer's blocks land: whole inbox slots reserved at TRANSFER_BEGIN."""
+    """Where one transfer's blocks land: whole inbox slots reserved at TRANSFER_BEGIN (every layer of
+    every block: ``Inbox.destination`` accepts nothing else)."""
 
-    def __init__(self, inbox: Inbox, meta: TransferMeta, slots: list[int]) -> None:
-        self.inbox, self.meta, self.slots = inbox, meta, slots
-        self._lo = meta.layers.start
+    def __init__(self, inbox: Inbox, meta: TransferMeta, keys: list[BlockKey], slots: list[int]) -> None:
+        self.inbox, self.meta, self.keys, self.slots = inbox, meta, keys, slots
         self._done = False
 
     def view(self, block: int, layer: int) -> memoryview:
-        at = self.inbox.header + (layer - self._lo) * self.inbox.slab
+        at = self.inbox.header + layer * self.inbox.slab
         return self.inbox.slot_view(self.slots[block])[at : at + self.inbox.slab]
 
     def commit(self) -> None:
         if not self._done:
             self._done = True
-            self.inbox._commit(self.meta.request_id, self.meta.block_keys, self.slots)
+            self.inbox._commit(self.meta.request_id, self.keys, self.slots)
 
     def abort(self) -> None:
         if not self._done:
             self._done = True
-            self.inbox._abort(self.meta.request_id, self.slots, "its transfer was aborted")
+            self.inbox._abort(self.meta.request_id, self.keys, self.slots, "its transfer was aborted")
 
 
 class InboxServer:
-    """The decode worker's listener: every connection gets a :class:`Receiver` into the inbox.
-    ``address``: ``HOST:PORT`` (TCP; loopback by default, any other address needs the shared secret,
-    KVPORT_AUTH_TOKEN) or ``shm:NAME`` (shared memory, for producers on this host)."""
+    """The decode worker's listener (:class:`~kvport.transfer.links.LinkListener`: ``HOST:PORT`` or
+    ``shm:NAME``, every connection authenticated with the deployment's secret, the handshake bound to
+    this inbox's address). One thread accepts and never talks to a peer; each connection gets its
+    own thread that authenticates it (``links.HANDSHAKE_S`` at most) and then serves a
+    :class:`Receiver` into the inbox. At most ``max_connections`` at once (the rest are closed at
+    accept); a transfer still receiving ``transfer_s`` after its TRANSFER_BEGIN is abandoned (its
+    slots freed, the producer told), so a producer that goes silent holds nothing for long."""
 
-    def __init__(self, inbox: Inbox, address: str, secret: bytes | None = None) -> None:
+    def __init__(self, inbox: Inbox, address: str, secret: bytes | None, names: Sequence[str] = (),
+                 max_connections: int = MAX_CONNECTIONS, transfer_s: float = TRANSFER_S) -> None:
         self.inbox = inbox
-        if parse_dest(address) is None and not address.endswith(":0"):
-            raise ConfigError(f"an inbox listens on HOST:PORT or shm:NAME, got {address!r}")
-        self.listener: tcp.TcpListener | shm.ShmListener
-        if address.startswith(SHM_PREFIX):
-            self.listener = shm.ShmListener(address[len(SHM_PREFIX):])
-            self.address = address
-        else:
-            host, _, port = address.rpartition(":")
-            # a producer keeps its connection between hand-offs: idle for minutes is normal; a dead peer is an EOF
-            self.listener = tcp.TcpListener(host.strip("[]"), int(port), secret=secret, timeout_s=IDLE_TIMEOUT_S)
-            self.address = f"{self.listener.host}:{self.listener.port}"
-        self._receivers: list[Receiver] = []
+        self.max_connections, self.transfer_s = max_connections, transfer_s
+        self.listener = links.LinkListener(address, secret, names, idle_timeout_s=IDLE_TIMEOUT_S,
+                                           ring=links.ShmRing(SHM_SLOT_BYTES, SHM_SLOTS))
+        self.address = self.listener.address
+        self._conns: set[links.Pending] = set()
+        self._receivers: set[Receiver] = set()
+        self._refused: deque[KVPortError] = deque(maxlen=64)  # refusals of connections that ended
+        self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="kvport-pd-inbox", daemon=True)
         self._thread.start()
 
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    def refusals(self) -> list[KVPortError]:
+        """The TRANSFER_BEGINs this inbox refused lately (the newest 64 of ended connections, and every
+        one of the open ones), oldest first."""
+        with self._lock:
+            return [*self._refused, *(e for r in self._receivers for e in r.refusals)]
+
     def _accept(self) -> None:
         while not self._closed.is_set():
+            self._watch()
             try:
-                t: Transport
-                if isinstance(self.listener, shm.ShmListener):
-                    st = self.listener.accept(SHM_SLOT_BYTES, SHM_SLOTS, timeout_s=0.5)
-                    st.settimeout(IDLE_TIMEOUT_S)
-                    t = st
-                else:
-                    t = self.listener.accept(timeout_s=0.5)
+                p = self.listener.accept(timeout_s=0.5)
             except (PeerError, OSError):  # nobody came (or the listener closed: the loop ends)
                 continue
-            except KVPortError as exc:  # a peer that failed the handshake: logged, the listener goes on
-                log.warning("kvport: inbox connection refused (%s)", exc)
-                continue
             if self._closed.is_set():
-                t.close()
+                p.close()
+                return
+            with self._lock:
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(p)
+            if full:
+                log.warning("kvport: inbox connection from %s refused: %d connections open (the cap)",
+                            p.peer, self.max_connections)
+                p.close()
+                continue
+            threading.Thread(target=self._serve, args=(p,), name="kvport-pd-inbox-conn", daemon=True).start()
+
+    def _serve(self, p: links.Pending) -> None:
+        r: Receiver | None = None
+        try:
+            try:
+                t = p.authenticate()
+            except KVPortError as exc:  # a peer that failed the handshake (or its deadline): logged, closed
+                log.warning("kvport: inbox connection from %s refused (%s)", p.peer, exc)
                 return
             r = Receiver(t, self.inbox.spec, self.inbox.destination, RECEIVER_BUDGET_BYTES)
-            r.start()
-            self._receivers = [x for x in self._receivers if not x.closed.is_set()] + [r]
+            with self._lock:
+                self._receivers.add(r)
+            if not self._closed.is_set():
+                r.serve()
+        finally:
+            with self._lock:
+                self._conns.discard(p)
+                if r is not None:
+                    self._receivers.discard(r)
+                    self._refused.extend(r.refusals)
+            p.close()
+
+    def _watch(self) -> None:
+        """Abandon transfers past ``transfer_s`` (a producer that began one and went silent)."""
+        now = time.monotonic()
+        with self._lock:
+            late = [(r, inc) for r in self._receivers if (inc := r.current) is not None
+                    and inc.state is InState.RECEIVING and now - inc.t_begin > self.transfer_s]
+        for r, inc in late:
+            log.warning("kvport: inbox transfer %s of stream %s… abandoned: still receiving after %.0f s",
+                        inc.tid, inc.meta.request_id[:8], self.transfer_s)
+            r.abandon(inc, f"the inbox's transfer deadline ({self.transfer_s:.0f} s) passed")
 
     def close(self) -> None:
         self._closed.set()
         self.listener.close()
-        for r in self._receivers:
+        with self._lock:
+            receivers, conns = list(self._receivers), list(self._conns)
+        for r in receivers:
             r.close()
+        for p in conns:
+            p.close()
         self._thread.join(2)
 
 
@@ -345,20 +495,26 @@ class _Open:
 
 class StreamOut:
     """The producer worker's transfers of one step (``begin`` / ``layer`` / ``finish``), over pooled
-    connections per decode inbox. Every failure is returned by :meth:`finish` (or :meth:`begin`) as
-    the copies to save the old way; nothing here raises into vLLM's forward."""
+    connections per decode inbox. It dials only ``destinations``, the inboxes its own deployment
+    configured (``kvport_pd_destinations``), never an address a request names by itself, and
+    authenticates every connection with the deployment's secret, signed for the inbox it dialled.
+    Every failure is returned by :meth:`finish` (or :meth:`begin`) as the copies to save the old
+    way; nothing here raises into vLLM's forward."""
 
-    def __init__(self, spec: KVSpec, paged: PagedKV, secret: bytes | None = None, tail_s: float = 5.0,
-                 max_s: float = 120.0) -> None:
+    def __init__(self, spec: KVSpec, paged: PagedKV, secret: bytes | None, destinations: Iterable[str],
+                 tail_s: float = 5.0, max_s: float = 120.0) -> None:
         """``tail_s``: how long ``finish`` waits, after the forward, for a transfer's last layers and its
         commit; ``max_s``: a transfer's whole life (a forward longer than that loses its stream)."""
         self.spec, self.paged, self.secret = spec, paged, secret
+        self.destinations = frozenset(destinations)
         self.tail_s, self.max_s = tail_s, max_s
         self._idle: dict[str, list[Sender]] = {}
         self._open: list[_Open] = []
         self._failed: list[StreamCopy] = []
 
     def _connect(self, dest: str) -> Sender:
+        if dest not in self.destinations:
+            raise ConfigError(f"{dest!r} is not one of this deployment's decode inboxes (kvport_pd_destinations)")
         pool = self._idle.get(dest, [])
         while pool:
             s = pool.pop()
@@ -366,14 +522,11 @@ class StreamOut:
                 return s
             s.close()
         # kept between hand-offs: the connection may idle; every wait on it has its own bound (tail_s, max_s)
-        if dest.startswith(SHM_PREFIX):
-            s_t = shm.connect(dest[len(SHM_PREFIX):], SHM_SLOT_BYTES, SHM_SLOTS, timeout_s=5.0)
-            s_t.settimeout(IDLE_TIMEOUT_S)
-            return Sender(s_t, credit_timeout_s=self.tail_s, max_frame_bytes=SHM_FRAME_BYTES,
+        t = links.dial(dest, self.secret, timeout_s=5.0, idle_timeout_s=IDLE_TIMEOUT_S,
+                       ring=links.ShmRing(SHM_SLOT_BYTES, SHM_SLOTS))
+        if dest.startswith(SHM_PREFIX):  # on shared memory a frame is one hand-off to the peer: a layer of a step
+            return Sender(t, credit_timeout_s=self.tail_s, max_frame_bytes=SHM_FRAME_BYTES,
                           batch_bytes=SHM_FRAME_BYTES)
-        host, _, port = dest.rpartition(":")
-        t = tcp.connect(host.strip("[]"), int(port), secret=self.secret, timeout_s=5.0)
-        t.settimeout(IDLE_TIMEOUT_S)
         return Sender(t, credit_timeout_s=self.tail_s)
 
     def begin(self, copies: Sequence[StreamCopy]) -> None:
@@ -390,7 +543,7 @@ class StreamOut:
                             sc.copy.req_id, sc.dest, type(exc).__name__, exc)
                 if sender is not None:
                     sender.close()
-                _STREAMS.labels(outcome="failed").inc()
+                STREAM_OUTCOMES.labels(outcome="failed").inc()
                 self._failed.append(sc)
                 continue
             self._open.append(_Open(sc, sender, h, LayerStreamer(sender, h)))
@@ -421,12 +574,12 @@ class StreamOut:
                 log.warning("kvport: stream of request %s to %s failed after %d of %d layers (%s: %s); saved to the "
                             "store instead", o.sc.copy.req_id, o.sc.dest, o.layers, self.spec.num_layers,
                             type(exc).__name__, exc)
-                _STREAMS.labels(outcome="failed").inc()
+                STREAM_OUTCOMES.labels(outcome="failed").inc()
                 o.sender.abort(o.h, f"stream failed: {exc}")
                 o.sender.close()
                 failed.append(o.sc)
                 continue
-            _STREAMS.labels(outcome="committed").inc()
+            STREAM_OUTCOMES.labels(outcome="committed").inc()
             committed.append(o.sc)
             pool = self._idle.setdefault(o.sc.dest, [])
             if len(pool) < 4:
@@ -445,5 +598,15 @@ class StreamOut:
         self._idle.clear()
 
 
-__all__ = ["DEST_KEY", "Inbox", "InboxDestination", "InboxServer", "StreamCopy", "StreamOut", "is_stream_id",
-           "new_stream_id", "parse_dest"]
+__all__ = [
+    "DEST_KEY",
+    "STREAM_OUTCOMES",
+    "Inbox",
+    "InboxDestination",
+    "InboxServer",
+    "StreamCopy",
+    "StreamOut",
+    "is_stream_id",
+    "new_stream_id",
+    "parse_dest",
+]

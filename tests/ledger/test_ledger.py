@@ -198,3 +198,46 @@ def test_a_lease_on_a_block_that_leaves_holds_nothing_more() -> None:
     with pytest.raises(UnknownBlockError):
         led.lease_many([A, C], Owner.client("x"), ttl_s=5)  # all or nothing
     assert led.leases() == []
+
+
+def test_records_are_charged_to_their_account_and_their_footprint_bounds_their_memory() -> None:
+    """Leases and pins are charged to the account the caller names (the holder's name by default),
+    however another connection of the same holder releases them; the footprint is an upper bound of
+    what the records really allocate (tracemalloc, worst case: a fresh table per block) and falls
+    back to 0 when they are gone (release, unpin, lapse)."""
+    import gc
+    import tracemalloc
+
+    from kvport.ledger import PIN_BYTES, lease_bytes
+
+    clock = Clock()
+    led = Ledger(clock=clock)
+    keys = [i.to_bytes(16, "little") for i in range(3000)]
+    for key in keys:
+        led.register(key, POOL)
+    holder = Owner.client("t/x")
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    leases = [led.lease(key, holder, 10, account="t#1") for key in keys[:1000]]
+    leases.append(led.lease_many(keys[1000:2000], holder, 10, account="t#2"))
+    for key in keys[2000:]:
+        led.pin(key, holder, ttl_s=5)  # charged to the holder's name
+    grew = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert led.footprint() == 1000 * lease_bytes(1) + lease_bytes(1000) + 1000 * PIN_BYTES
+    assert grew <= led.footprint(), f"{grew} bytes allocated, {led.footprint()} charged"
+    assert (led.held_by("t#1"), led.held_by("t#2"), led.held_by(holder)) == (1000, 1000, 1000)
+    led.pin(keys[2000], Owner.client("t/y"), account="t#2")  # another holder's pin on the same block
+    assert led.held_by("t#2") == 1001
+    for lease in leases[:500]:
+        led.release(lease)
+    assert led.held_by("t#1") == 500
+    led.unpin(keys[2000], Owner.client("t/y"))
+    clock.t += 6  # the holder's pins lapse
+    led.expire()
+    assert led.held_by(holder) == 0 and led.held_by("t#2") == 1000
+    led.release(leases[-1])
+    clock.t += 5  # the rest of the leases lapse
+    led.expire()
+    assert led.footprint() == 0 and led.held_by("t#1") == 0

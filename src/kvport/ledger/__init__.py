@@ -2,11 +2,13 @@
 changes a block's owner.
 
 Public API: :class:`Owner` / :class:`OwnerKind`, :class:`BlockState`, :class:`Move`,
-:func:`transition`, :class:`Ledger`, :class:`Lease`, :class:`Pin`, :class:`BlockRecord`,
-:class:`LeakReport`, :class:`MoveRecord`, :class:`TransferRecord`, :class:`Expired`, :func:`new_tid`.
+:func:`transition`, :class:`Ledger` (with :func:`lease_bytes` and ``PIN_BYTES``: what its records
+cost), :class:`Lease`, :class:`Pin`, :class:`BlockRecord`, :class:`LeakReport`, :class:`MoveRecord`,
+:class:`TransferRecord`, :class:`Expired`, :func:`new_tid`.
 """
 
 from kvport.ledger.ledger import (
+    PIN_BYTES,
     BlockRecord,
     Expired,
     LeakReport,
@@ -15,9 +17,10 @@ from kvport.ledger.ledger import (
     MoveRecord,
     Pin,
     TransferRecord,
+    lease_bytes,
     new_tid,
 )
 from kvport.ledger.states import BlockState, Move, Owner, OwnerKind, transition
 
-__all__ = ["BlockRecord", "BlockState", "Expired", "LeakReport", "Lease", "Ledger", "Move", "MoveRecord", "Owner",
-           "OwnerKind", "Pin", "TransferRecord", "new_tid", "transition"]
+__all__ = ["PIN_BYTES", "BlockRecord", "BlockState", "Expired", "LeakReport", "Lease", "Ledger", "Move", "MoveRecord",
+           "Owner", "OwnerKind", "Pin", "TransferRecord", "lease_bytes", "new_tid", "transition"]

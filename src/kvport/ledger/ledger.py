@@ -17,6 +17,10 @@ Invariants (every public method keeps them, under one lock):
   evictable and cannot be forgotten. Both lapse at their TTL: :meth:`expire` reaps them, and a
   holder that died loses them then, never later. Releasing a lapsed lease is a
   :class:`LeaseExpiredError` that changes nothing;
+* every lease-block pair and pin is charged to an **account** (the holder's name unless the caller
+  names another: the server charges the connection that asked) and to :meth:`Ledger.footprint`,
+  the bytes its records take at most (``LEASE_BYTES`` + ``LEASE_KEY_BYTES`` per block, ``PIN_BYTES``;
+  measured upper bounds, checked by a test), so that caps can be charged before anything is recorded;
 * the clock is injected (``clock()`` returns seconds, monotonic), so tests control expiry.
 """
 
@@ -43,6 +47,11 @@ _EXPIRED = counter("ledger_expired_total", "Leases and pins reaped at their TTL"
 _LEAKS = gauge("ledger_leaks", "Leaks found by the last leak report", ["kind"])
 
 HISTORY_LIMIT = 100_000
+# what one record takes at most in this process (CPython 3.11, tracemalloc), worst case a block's own
+# table grown for it: a lease 230-250 B and 41-170 B per block it holds; a pin 170-272 B
+LEASE_BYTES = 256
+LEASE_KEY_BYTES = 192
+PIN_BYTES = 320
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +63,7 @@ class Lease:
     lease_id: int
     expires_at: float
     since: float = 0.0
+    account: str = ""  # who is charged for it (the holder's name unless the caller named another)
 
     @property
     def key(self) -> bytes:
@@ -136,6 +146,7 @@ class _PinState:
     reason: str
     since: float
     expires_at: float | None
+    account: str  # charged for it (whoever took it first)
 
 
 @dataclass(slots=True)
@@ -148,6 +159,11 @@ class _Block:
     lifetime: Lifetime | None = None
     pins: dict[Owner, _PinState] = field(default_factory=dict)
     leases: dict[int, Lease] = field(default_factory=dict)
+
+
+def lease_bytes(blocks: int) -> int:
+    """What a lease on ``blocks`` blocks takes at most (:meth:`Ledger.footprint` charges it)."""
+    return LEASE_BYTES + LEASE_KEY_BYTES * blocks
 
 
 def new_tid() -> str:
@@ -167,7 +183,8 @@ class Ledger:
         self._history: deque[MoveRecord] = deque(maxlen=history_limit)
         self._seq = itertools.count(1)
         self._lease_ids = itertools.count(1)
-        self._held: dict[Owner, int] = {}  # lease-block pairs + pins per holder (caps are charged from it)
+        self._held: dict[str, int] = {}  # lease-block pairs + pins per account (caps are charged from it)
+        self._footprint = 0  # bytes the lease and pin records take at most
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ who is known
@@ -231,8 +248,8 @@ class Ledger:
             del self._blocks[key]
             for lease in list(b.leases.values()):  # a lease on a block that left holds nothing
                 self._drop_lease_key(lease, key)
-            for h in b.pins:
-                self._charge(h, -1)
+            for p in b.pins.values():
+                self._charge(p.account, -1, -PIN_BYTES)
         else:
             b.state = after
             b.since = self.clock()
@@ -362,11 +379,12 @@ class Ledger:
             self._move(key, b, Move.FORGET, None)
 
     # ------------------------------------------------------------------ readers
-    def lease(self, key: bytes, holder: Owner, ttl_s: float) -> Lease:
-        return self.lease_many((key,), holder, ttl_s)
+    def lease(self, key: bytes, holder: Owner, ttl_s: float, account: str | None = None) -> Lease:
+        return self.lease_many((key,), holder, ttl_s, account)
 
-    def lease_many(self, keys: Iterable[bytes], holder: Owner, ttl_s: float) -> Lease:
-        """One lease on every block of ``keys`` (all known and readable, else nothing is leased)."""
+    def lease_many(self, keys: Iterable[bytes], holder: Owner, ttl_s: float, account: str | None = None) -> Lease:
+        """One lease on every block of ``keys`` (all known and readable, else nothing is leased),
+        charged to ``account`` (default: the holder's name)."""
         ks = tuple(keys)
         if not (ttl_s > 0 and math.isfinite(ttl_s)):
             raise LeaseError(f"lease ttl must be positive, got {ttl_s}")
@@ -376,11 +394,12 @@ class Ledger:
                 if b.state in (BlockState.ALLOCATED, BlockState.IN_TRANSFER):
                     raise LeaseError(f"block {k.hex()} is {b.state.value}: not readable")
             now = self.clock()
-            lease = Lease(ks, holder, next(self._lease_ids), now + ttl_s, now)
+            lease = Lease(ks, holder, next(self._lease_ids), now + ttl_s, now,
+                          str(holder) if account is None else account)
             for k in ks:
                 self._blocks[k].leases[lease.lease_id] = lease
             self._leases[lease.lease_id] = lease
-            self._charge(holder, len(ks))
+            self._charge(lease.account, len(ks), lease_bytes(len(ks)))
             _LEASES.inc()
             return lease
 
@@ -399,20 +418,26 @@ class Ledger:
             self._drop_lease(lease)
             return lease
 
-    def _charge(self, holder: Owner, n: int) -> None:
-        left = self._held.get(holder, 0) + n
+    def _charge(self, account: str, n: int, nbytes: int) -> None:
+        left = self._held.get(account, 0) + n
         if left > 0:
-            self._held[holder] = left
+            self._held[account] = left
         else:
-            self._held.pop(holder, None)
+            self._held.pop(account, None)
+        self._footprint += nbytes
 
-    def held_by(self, holder: Owner) -> int:
-        """Lease-block pairs and pins ``holder`` has now (what a per-holder cap is charged against)."""
-        return self._held.get(holder, 0)
+    def held_by(self, account: str | Owner) -> int:
+        """Lease-block pairs and pins charged to ``account`` now (a holder: its name, the default
+        account); what a per-account cap is charged against."""
+        return self._held.get(str(account), 0)
+
+    def footprint(self) -> int:
+        """Bytes the lease and pin records take at most (the per-record constants above)."""
+        return self._footprint
 
     def _drop_lease(self, lease: Lease) -> None:
         if self._leases.pop(lease.lease_id, None) is not None:
-            self._charge(lease.holder, -len(lease.keys))
+            self._charge(lease.account, -len(lease.keys), -lease_bytes(len(lease.keys)))
         for k in lease.keys:
             b = self._blocks.get(k)
             if b is not None:
@@ -421,19 +446,22 @@ class Ledger:
     def _drop_lease_key(self, lease: Lease, key: bytes) -> None:
         """A leased block left this ledger: the lease no longer holds it (dropped when it holds none)."""
         rest = tuple(k for k in lease.keys if k != key)
-        self._charge(lease.holder, len(rest) - len(lease.keys))
         if not rest:
+            self._charge(lease.account, -len(lease.keys), -lease_bytes(len(lease.keys)))
             self._leases.pop(lease.lease_id, None)
             return
-        smaller = Lease(rest, lease.holder, lease.lease_id, lease.expires_at, lease.since)
+        self._charge(lease.account, len(rest) - len(lease.keys), (len(rest) - len(lease.keys)) * LEASE_KEY_BYTES)
+        smaller = Lease(rest, lease.holder, lease.lease_id, lease.expires_at, lease.since, lease.account)
         self._leases[lease.lease_id] = smaller
         for k in rest:
             b = self._blocks.get(k)
             if b is not None:
                 b.leases[lease.lease_id] = smaller
 
-    def pin(self, key: bytes, holder: Owner, reason: str = "", ttl_s: float | None = None) -> Pin:
-        """Pin ``key`` for ``holder`` (counted; a pin by the same holder renews reason, since and expiry)."""
+    def pin(self, key: bytes, holder: Owner, reason: str = "", ttl_s: float | None = None,
+            account: str | None = None) -> Pin:
+        """Pin ``key`` for ``holder`` (counted; a pin by the same holder renews reason, since and expiry).
+        A new pin is charged to ``account`` (default: the holder's name); a renewed one stays where it was."""
         if ttl_s is not None and not (ttl_s > 0 and math.isfinite(ttl_s)):
             raise LeaseError(f"pin ttl must be positive, got {ttl_s}")
         with self._lock:
@@ -443,8 +471,11 @@ class Ledger:
             expires = None if ttl_s is None else now + ttl_s
             if p is None or (p.expires_at is not None and p.expires_at <= now):
                 if p is None:
-                    self._charge(holder, 1)
-                p = _PinState(1, reason, now, expires)
+                    charged = str(holder) if account is None else account
+                    self._charge(charged, 1, PIN_BYTES)
+                else:
+                    charged = p.account
+                p = _PinState(1, reason, now, expires, charged)
                 b.pins[holder] = p
             else:
                 p.count += 1
@@ -462,7 +493,7 @@ class Ledger:
                 raise LeaseError(f"{holder} holds no pin on block {key.hex()}")
             if p.count == 1:
                 del b.pins[holder]
-                self._charge(holder, -1)
+                self._charge(p.account, -1, -PIN_BYTES)
             else:
                 p.count -= 1
 
@@ -477,8 +508,7 @@ class Ledger:
             for b in self._blocks.values():
                 gone = [h for h, p in b.pins.items() if p.expires_at is not None and p.expires_at <= t]
                 for h in gone:
-                    del b.pins[h]
-                    self._charge(h, -1)
+                    self._charge(b.pins.pop(h).account, -1, -PIN_BYTES)
                 pins += len(gone)
         if dead:
             _EXPIRED.labels("lease").inc(len(dead))

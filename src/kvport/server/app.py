@@ -4,6 +4,8 @@ Memory: ``capacity_bytes`` is the whole process's budget, not just the host pool
 
     capacity = resident baseline (interpreter, libraries, measured at start)
              + staging pool (limits.total_inflight_bytes: values bound for or read from disk)
+             + lease and pin records (server.held.held_budget: at most capacity / 8, less when
+               every tenant at its cap needs less; charged before a record is made)
              + scratch (1 MiB) + host pool (the rest, preallocated and pre-faulted once)
 
 Storage is one :class:`~kvport.store.TieredStore` plus its ledger (:mod:`kvport.server.storage`):
@@ -38,6 +40,7 @@ from kvport.protocol.aio import AsyncStream, BulkIO, SockStream, TlsStream
 from kvport.protocol.net import is_loopback, tune
 from kvport.server.conn import Connection, ConnState
 from kvport.server.handlers import Handlers
+from kvport.server.held import held_budget
 from kvport.server.http import HttpEndpoint
 from kvport.server.limits import ServerLimits
 from kvport.server.metrics import ServerMetrics
@@ -135,12 +138,13 @@ class KVServer:
         if not is_loopback(cfg.host) and not tenants.all_have_tokens():
             raise ConfigError(f"listening on {cfg.host!r} (beyond loopback) requires a token for every tenant")
         tls = _tls_context(cfg)
-        host_bytes = host_pool_bytes(cfg.capacity_bytes, cfg.limits.total_inflight_bytes, cfg.page_bytes)
+        held_bytes = held_budget(cfg.capacity_bytes, len(tenants.names()), cfg.limits.max_held_per_tenant)
+        host_bytes = host_pool_bytes(cfg.capacity_bytes - held_bytes, cfg.limits.total_inflight_bytes, cfg.page_bytes)
         disk_bytes = 4 * cfg.capacity_bytes if cfg.disk_capacity_bytes is None else cfg.disk_capacity_bytes
         store = open_storage(host_bytes, cfg.page_bytes, cfg.disk_dir, disk_bytes, tenants.quotas(),
                              cfg.limits.max_value_bytes)
         try:
-            self.h = Handlers(store, tenants, cfg.limits, ServerMetrics(), cfg.page_bytes)
+            self.h = Handlers(store, tenants, cfg.limits, ServerMetrics(), cfg.page_bytes, held_bytes)
             self._io = BulkIO(cfg.io_threads)
             try:
                 self._lsock = socket.create_server((cfg.host, cfg.port), backlog=256)

@@ -19,7 +19,9 @@ HANDSHAKE at once is :mod:`kvport.server.admission`'s.
 
 The handshake is the one of :mod:`kvport.protocol.handshake`: the client names its tenant (the
 principal whose token signs) and its instance; ``tenant/instance`` is the holder of the leases and
-pins it takes (they belong to the client, not to this connection, and lapse at their TTL).
+pins it takes (they belong to the client, not to this connection, and lapse at their TTL). What
+they cost is charged to what was authenticated, the tenant and this connection, never to the
+instance label the client chose (:mod:`kvport.server.held`).
 """
 
 from __future__ import annotations

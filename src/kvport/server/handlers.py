@@ -36,7 +36,7 @@ from kvport.errors import (
     TierFullError,
     UnknownBlockError,
 )
-from kvport.ledger import Lease, Owner
+from kvport.ledger import PIN_BYTES, Lease, Owner, lease_bytes
 from kvport.lifetime import Lifetime
 from kvport.protocol.frame import Flags, FrameHeader, Limits
 from kvport.protocol.rejects import Rejected, RejectReason
@@ -69,7 +69,7 @@ from kvport.protocol.server import Unpin as UnpinReq
 from kvport.server import reports
 from kvport.server.admission import Admission, parse_networks
 from kvport.server.conn import Connection
-from kvport.server.held import HeldTally
+from kvport.server.held import HeldTally, account
 from kvport.server.limits import ServerLimits
 from kvport.server.metrics import ServerMetrics
 from kvport.server.staging import StagingPool
@@ -82,7 +82,7 @@ Handler = Callable[[Connection, FrameHeader, Any, Tenant, Owner], Awaitable[None
 
 class Handlers:
     def __init__(self, store: TieredStore, tenants: TenantTable, limits: ServerLimits, metrics: ServerMetrics,
-                 page_bytes: int, server_name: str = "kvport-serve") -> None:
+                 page_bytes: int, held_budget_bytes: int, server_name: str = "kvport-serve") -> None:
         self.store = store
         self.ledger = store.ledger
         self.tenants = tenants
@@ -97,7 +97,7 @@ class Handlers:
         self.draining = False
         self.started = time.monotonic()
         self.connections: dict[int, Connection] = {}  # logged in
-        self.held = HeldTally(self.ledger, limits.max_held_per_client, limits.max_held_per_tenant)
+        self.held = HeldTally(self.ledger, limits.max_held_per_client, limits.max_held_per_tenant, held_budget_bytes)
         self.admission = Admission(limits.max_connections, limits.max_pending, limits.max_per_peer,
                                    parse_networks(limits.per_peer_exempt))
         self.hits: dict[bytes, int] = {}  # storage key -> GETs served (inspect's top prefixes)
@@ -127,7 +127,7 @@ class Handlers:
         self.store.expire()
         self.ledger.expire()
         self.held.sweep()
-        self.metrics.observe(self.store, self.pool)
+        self.metrics.observe(self.store, self.pool, self.held)
 
     # ------------------------------------------------------------ dispatch
     async def dispatch(self, conn: Connection, hdr: FrameHeader, meta: dict[str, Any]) -> None:
@@ -157,10 +157,16 @@ class Handlers:
     def _skey(self, tenant: Tenant, key: bytes) -> bytes:
         return self.tenants.storage_key(tenant.name, key)
 
-    def _charge_held(self, tenant: Tenant, holder: Owner, n: int) -> None:
-        """Leases and pins are charged before anything is recorded: a client, and a tenant with all
-        its instances, hold a bounded number (LeaseError past it)."""
-        self.held.charge(tenant.name, holder, n)
+    def _charge_held(self, conn: Connection, tenant: Tenant, n: int, nbytes: int) -> str:
+        """Leases and pins are charged before anything is recorded, to the connection and its tenant
+        (never to the client's own label), and in record bytes to the server's budget for them
+        (LeaseError past a cap, :mod:`kvport.server.held`); returns the account to record them with."""
+        acct = account(tenant.name, conn.id)
+        self.held.charge(tenant.name, acct, n, nbytes)
+        return acct
+
+    def _noted(self, conn: Connection, tenant: Tenant) -> None:
+        self.held.note(tenant.name, account(tenant.name, conn.id))
 
     def _ttl(self, asked: float, default: float, cap: float) -> float:
         return min(asked, cap) if asked > 0 else default
@@ -176,7 +182,7 @@ class Handlers:
         if skey in store:
             await conn.skip_payload()
             store.lookup([skey])  # a hit: the block stays longer
-            self._pin_if(req.pin, skey, tenant, holder)
+            self._pin_if(conn, req.pin, skey, tenant, holder)
             return await self._answer(conn, hdr, PutAnswer("exists"), "exists")
         if store.writing(skey):  # the same block is arriving on another connection: ask to retry
             return await self._reject(conn, hdr, Rejected(RejectReason.BUSY, self.limits.retry_after_s,
@@ -210,7 +216,7 @@ class Handlers:
             rej = await self._put_staged(conn, hdr, req, tenant, holder, skey, sparent, ttl)
             if rej is not None:
                 return await self._reject(conn, hdr, rej)
-        self._pin_if(req.pin, skey, tenant, holder)
+        self._pin_if(conn, req.pin, skey, tenant, holder)
         self.metrics.bytes_in.inc(size)
         await self._answer(conn, hdr, PutAnswer("stored"), "stored")
 
@@ -250,14 +256,14 @@ class Handlers:
         finally:
             self.pool.give(staging)
 
-    def _pin_if(self, spec: PinSpec | None, skey: bytes, tenant: Tenant, holder: Owner) -> None:
+    def _pin_if(self, conn: Connection, spec: PinSpec | None, skey: bytes, tenant: Tenant, holder: Owner) -> None:
         """PUT's ``pin`` means "pinned by this client at least once", so a retried PUT never pins twice."""
         if spec is None or holder in self.ledger.pins_of(skey):
             return
-        self._charge_held(tenant, holder, 1)
+        acct = self._charge_held(conn, tenant, 1, PIN_BYTES)
         self.ledger.pin(skey, holder, spec.reason, self._ttl(spec.ttl_s, self.limits.pin_ttl_s,
-                                                             self.limits.max_pin_ttl_s))
-        self.held.note(tenant.name, holder)
+                                                             self.limits.max_pin_ttl_s), acct)
+        self._noted(conn, tenant)
 
     # ------------------------------------------------------------ get
     async def get(self, conn: Connection, hdr: FrameHeader, req: Get, tenant: Tenant, holder: Owner) -> None:
@@ -269,9 +275,9 @@ class Handlers:
         try:
             kept: Lease | None = None
             if req.lease_s > 0:
-                self._charge_held(tenant, holder, 1)
-                kept = self.ledger.lease(skey, holder, min(req.lease_s, self.limits.max_lease_ttl_s))
-                self.held.note(tenant.name, holder)
+                acct = self._charge_held(conn, tenant, 1, lease_bytes(1))
+                kept = self.ledger.lease(skey, holder, min(req.lease_s, self.limits.max_lease_ttl_s), acct)
+                self._noted(conn, tenant)
             await self._send_value(conn, hdr, skey, None if kept is None else kept.lease_id)
         finally:
             with contextlib.suppress(LeaseError, UnknownBlockError):
@@ -328,9 +334,10 @@ class Handlers:
         lease_id = None
         if req.lease_s > 0 and hits:
             held = list(dict.fromkeys(skeys[:hits]))
-            self._charge_held(tenant, holder, len(held))
-            lease_id = self.ledger.lease_many(held, holder, min(req.lease_s, self.limits.max_lease_ttl_s)).lease_id
-            self.held.note(tenant.name, holder)
+            acct = self._charge_held(conn, tenant, len(held), lease_bytes(len(held)))
+            lease_id = self.ledger.lease_many(held, holder, min(req.lease_s, self.limits.max_lease_ttl_s),
+                                              acct).lease_id
+            self._noted(conn, tenant)
         await self._answer(conn, hdr, LookupAnswer(hits, lease_id))
 
     async def contains(self, conn: Connection, hdr: FrameHeader, req: ContainsReq, tenant: Tenant,
@@ -340,11 +347,11 @@ class Handlers:
 
     async def pin(self, conn: Connection, hdr: FrameHeader, req: PinReq, tenant: Tenant, holder: Owner) -> None:
         present = self._present(tenant, req.keys)
-        self._charge_held(tenant, holder, len(present))
+        acct = self._charge_held(conn, tenant, len(present), len(present) * PIN_BYTES)
         ttl = self._ttl(req.ttl_s, self.limits.pin_ttl_s, self.limits.max_pin_ttl_s)
         for sk in present:
-            self.ledger.pin(sk, holder, req.reason, ttl)
-        self.held.note(tenant.name, holder)
+            self.ledger.pin(sk, holder, req.reason, ttl, acct)
+        self._noted(conn, tenant)
         await self._answer(conn, hdr, CountAnswer(len(present)))
 
     async def unpin(self, conn: Connection, hdr: FrameHeader, req: UnpinReq, tenant: Tenant, holder: Owner) -> None:
@@ -353,7 +360,7 @@ class Handlers:
             if holder in self.ledger.pins_of(sk):
                 self.ledger.unpin(sk, holder)
                 n += 1
-        self.held.note(tenant.name, holder)
+        self._noted(conn, tenant)  # a pin another connection took is seen again at the next sweep
         await self._answer(conn, hdr, CountAnswer(n))
 
     async def lease(self, conn: Connection, hdr: FrameHeader, req: LeaseReq, tenant: Tenant, holder: Owner) -> None:
@@ -364,16 +371,16 @@ class Handlers:
                                     f"{tenant.name}: nothing leased")
         lease_id = None
         if present:  # an empty list leases nothing and records nothing
-            self._charge_held(tenant, holder, len(present))
+            acct = self._charge_held(conn, tenant, len(present), lease_bytes(len(present)))
             ttl = self._ttl(req.ttl_s, self.limits.lease_ttl_s, self.limits.max_lease_ttl_s)
-            lease_id = self.ledger.lease_many(present, holder, ttl).lease_id
-            self.held.note(tenant.name, holder)
+            lease_id = self.ledger.lease_many(present, holder, ttl, acct).lease_id
+            self._noted(conn, tenant)
         await self._answer(conn, hdr, LeaseAnswer(lease_id, len(present)))
 
     async def release(self, conn: Connection, hdr: FrameHeader, req: ReleaseReq, tenant: Tenant,
                       holder: Owner) -> None:
-        self.ledger.release_id(req.lease, holder)  # someone else's, released twice or lapsed: LeaseError
-        self.held.note(tenant.name, holder)
+        gone = self.ledger.release_id(req.lease, holder)  # someone else's, released twice or lapsed: LeaseError
+        self.held.note(tenant.name, gone.account)  # the connection that took it, maybe another one
         await self._answer(conn, hdr, Done())
 
     async def delete(self, conn: Connection, hdr: FrameHeader, req: DeleteReq, tenant: Tenant, holder: Owner) -> None:

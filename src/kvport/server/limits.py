@@ -10,9 +10,11 @@ Every byte a peer can make the server hold is bounded before it is allocated:
   values staged for disk, or read back from disk, take buffers from one pool of at most
   ``total_inflight_bytes`` (:class:`kvport.server.staging.StagingPool`);
 - stored bytes: per-tenant quota (a policy of the store) and the server capacity;
-- leases and pins: each client (tenant/instance) holds at most ``max_held_per_client`` lease-block
-  pairs and pins, each tenant (all its instances together) at most ``max_held_per_tenant``,
-  charged before anything is recorded, and every one lapses at its TTL;
+- leases and pins: each client connection is charged at most ``max_held_per_client`` lease-block
+  pairs and pins, each tenant (all its connections, open or gone, whatever instance labels they
+  gave) at most ``max_held_per_tenant``, and their records at most a budget carved out of the
+  capacity (:mod:`kvport.server.held`), charged before anything is recorded; every one lapses at
+  its TTL;
 - connections: ``max_connections`` in all, of which at most ``max_pending`` still logging in (TCP
   accepted, TLS and kvport handshakes; :mod:`kvport.server.admission`), and ``max_per_peer`` per
   address outside ``per_peer_exempt`` (loopback by default).
@@ -51,7 +53,7 @@ class ServerLimits:
     max_pin_ttl_s: float = 24 * 3600.0
     session_ttl_s: float = 600.0  # a SESSION block without its own TTL: idle time before the pool drops it
     request_ttl_s: float = 60.0  # a REQUEST block without its own TTL
-    max_held_per_client: int = 1 << 16  # lease-block pairs + pins one client may hold
+    max_held_per_client: int = 1 << 16  # lease-block pairs + pins one client connection may be charged
     max_held_per_tenant: int = 1 << 18  # ... all clients of one tenant together
     max_connections: int = 1024
     max_pending: int = 64  # connections not logged in yet (TLS handshake included)

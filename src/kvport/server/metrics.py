@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from kvport.metrics import counter, gauge
 
 if TYPE_CHECKING:
+    from kvport.server.held import HeldTally
     from kvport.server.staging import StagingPool
     from kvport.store import TieredStore
 
@@ -24,18 +25,21 @@ class ServerMetrics:
         self.refused = counter("server_refused_connections_total",
                                "connections closed at accept (draining, per_peer, full), or pending ones that "
                                "gave way to a newer one (gave_way)", ("reason",))
-        self.used = gauge("server_used_bytes", "charged bytes held, by place", ("place",))
+        self.used = gauge("server_used_bytes", "charged bytes held, by place (a tier, or held: lease and pin records)",
+                          ("place",))
         self.capacity = gauge("server_capacity_bytes", "capacity, by place", ("place",))
         self.blocks = gauge("server_blocks", "blocks stored")
         self.staging = gauge("server_staging_bytes", "staging buffers allocated (values in flight)")
         self.leases = gauge("server_leases", "leases held by clients")
         self.pins = gauge("server_pins", "pins held by clients")
 
-    def observe(self, store: TieredStore, pool: StagingPool) -> None:
+    def observe(self, store: TieredStore, pool: StagingPool, held: HeldTally) -> None:
         st = store.stats()
         for name in store.names:
             self.used.labels(name).set(st.used_bytes[name])
             self.capacity.labels(name).set(store.tiers[name].capacity_bytes)
+        self.used.labels("held").set(store.ledger.footprint())
+        self.capacity.labels("held").set(held.budget_bytes)
         self.blocks.set(len(store))
         self.staging.set(pool.allocated)
         self.leases.set(len(store.ledger.leases()))

@@ -51,6 +51,8 @@ class Tenant:
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > _MAX_NAME or not self.name.isprintable():
             raise ConfigError(f"tenant name must be 1-{_MAX_NAME} printable characters, got {self.name!r}")
+        if "/" in self.name:  # holders are "tenant/instance": "a" with instance "b/c" must never be "a/b"'s "c"
+            raise ConfigError(f"tenant name must not contain '/', got {self.name!r}")
         if self.quota_bytes is not None and self.quota_bytes <= 0:
             raise ConfigError(f"tenant {self.name!r}: quota must be positive")
 

@@ -74,6 +74,7 @@ class Deployment:
     proxy_url: str
     root: Path
     inbox: str  # the decode engine's kvport_pd_inbox
+    dead: str  # an inbox address the producer may stream to that nobody listens on
 
     def reference(self, body: dict[str, Any], tag: str) -> dict[str, Any]:
         """The decode engine computing the request from scratch: its own salt misses every cache."""
@@ -88,9 +89,12 @@ def pd(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[De
     root = tmp_path_factory.mktemp("pd")
     server = ServerProc(base_args("1GiB")).start()
     extra = {"kvport_server": f"127.0.0.1:{server.port}", "kvport_pd_lease_s": LEASE_S}
-    pre = EngineServer(model_dir, free_port(), role="kv_producer", extra=extra, log=root / "prefill.log",
-                       max_model_len=2048)
     inbox = f"127.0.0.1:{listen_port()}"
+    # the producer streams only to its deployment's inboxes: the decode engine's, and one nobody listens on
+    dead = f"127.0.0.1:{free_port()}"
+    pre = EngineServer(model_dir, free_port(), role="kv_producer",
+                       extra={**extra, "kvport_pd_destinations": [inbox, dead]}, log=root / "prefill.log",
+                       max_model_len=2048)
     dec = EngineServer(model_dir, free_port(), role="kv_consumer", extra={**extra, "kvport_pd_inbox": inbox},
                        log=root / "decode.log", max_model_len=2048)
     proxy = None
@@ -111,7 +115,7 @@ def pd(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[De
                 break
             except OSError:
                 time.sleep(0.1)
-        yield Deployment(server, pre, dec, proxy, url, root, inbox)
+        yield Deployment(server, pre, dec, proxy, url, root, inbox, dead)
     finally:
         if proxy is not None:
             proxy.terminate()
@@ -278,12 +282,22 @@ def test_a_streamed_hand_off_lands_in_the_decode_engine_and_only_its_own_stream_
 
     r = _prompt(13)
     failed = _metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="failed")
-    params = _prefill(pd, r, f"127.0.0.1:{free_port()}")
+    params = _prefill(pd, r, pd.dead)
     ext = _external(pd.decode.url)
     assert _same(_completion(pd, r, params), pd.reference({**body, "prompt": r}, "no-inbox"))
     assert _external(pd.decode.url) - ext == n(r)
     assert _metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="failed") == failed + 1
     assert "saved to the store instead" in (pd.root / "prefill.log").read_text(errors="replace")
+    # a kvport_dest the deployment did not configure (a request naming its own address): never dialled,
+    # the KV saved to the store, the answer still right
+    s = _prompt(14)
+    refused = _metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="refused_dest")
+    params = _prefill(pd, s, f"127.0.0.1:{free_port()}")
+    ext = _external(pd.decode.url)
+    assert _same(_completion(pd, s, params), pd.reference({**body, "prompt": s}, "foreign-dest"))
+    assert _external(pd.decode.url) - ext == n(s)
+    assert _metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="refused_dest") == refused + 1
+    assert "not one of kvport_pd_destinations" in (pd.root / "prefill.log").read_text(errors="replace")
 
 
 def test_a_hand_off_lease_lapses_and_leaves_nothing_held(pd: Deployment) -> None:

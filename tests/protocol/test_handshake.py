@@ -76,3 +76,47 @@ def test_a_server_that_does_not_know_the_key_is_caught_by_the_client() -> None:
         hs.check_welcome(b"k", ns, nc, "a", hs.Welcome("a", hs.server_mac(b"other", ns, nc, "a")))
     with pytest.raises(AuthError):
         hs.check_welcome(b"k", ns, nc, "a", hs.Welcome("a", b""))
+
+
+def bound(dest: str, names: frozenset[str] | None) -> tuple[object, object]:
+    """The handshake with the client's answer signed for ``dest`` and a server dialled by ``names``."""
+    a, b = pair()
+    out: dict[str, object] = {}
+
+    def server() -> None:
+        try:
+            out["server"] = hs.server_handshake(FrameIO(b), "srv", lookup, names=names)
+        except AuthError as exc:
+            out["server"] = exc
+
+    t = threading.Thread(target=server)
+    t.start()
+    try:
+        client: object = hs.client_handshake(FrameIO(a), "a", b"token-of-a", "inst-1", dest=dest)
+    except AuthError as exc:
+        client = exc
+    t.join(5)
+    a.close()
+    b.close()
+    return client, out["server"]
+
+
+def test_an_answer_bound_to_the_server_s_own_address_is_accepted() -> None:
+    client, server = bound("127.0.0.1:7000", frozenset({"127.0.0.1:7000", "shm:x"}))
+    assert isinstance(client, hs.Peer) and isinstance(server, hs.Peer)
+
+
+@pytest.mark.parametrize("dest", ["127.0.0.1:7001", ""])
+def test_an_answer_signed_for_another_address_is_refused_like_a_wrong_key(dest: str) -> None:
+    """A relay: the client dialled 127.0.0.1:7001 (the relay), which passed the real server's challenge
+    through; the server is dialled as 127.0.0.1:7000 and refuses, with the one message."""
+    client, server = bound(dest, frozenset({"127.0.0.1:7000"}))
+    assert isinstance(client, AuthError) and isinstance(server, AuthError)
+    assert str(server) == "authentication failed"
+
+
+def test_the_bound_address_is_covered_by_the_mac() -> None:
+    n_s, n_c = b"s" * 32, b"c" * 32
+    assert hs.client_mac(b"k", n_s, n_c, "a", "h:1") != hs.client_mac(b"k", n_s, n_c, "a", "h:2")
+    assert hs.client_mac(b"k", n_s, n_c, "a", "") == hs.client_mac(b"k", n_s, n_c, "a")  # unbound: as before
+    assert hs.server_mac(b"k", n_s, n_c, "a", "h:1") != hs.server_mac(b"k", n_s, n_c, "a")

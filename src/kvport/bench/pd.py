@@ -329,11 +329,12 @@ def _pd_phase(model: Path, root: Path, o: _Opts, prompts: list[list[int]], chats
     extra: dict[str, Any] = {"kvport_server": f"127.0.0.1:{srv.port}"}
     if shared is not None:  # the same-host path: a RAM-backed folder the engines share, in front of the server
         extra.update(kvport_disk_dir=shared.name, kvport_disk_capacity="4 GiB")
-    pre = [EngineServer(model, free_port(), role="kv_producer", extra=extra, log=root / f"prefill{i}.log",
-                        max_model_len=8192) for i in range(2)]
     # the hand-off streamed into the decode engine during the prefill (--set stream=off: through the store)
     inbox = None if o.stream == "off" else (f"shm:kvport-bench-{secrets.token_hex(6)}" if o.stream == "shm"
                                             else f"127.0.0.1:{listen_port()}")
+    produce = extra if inbox is None else {**extra, "kvport_pd_destinations": [inbox]}
+    pre = [EngineServer(model, free_port(), role="kv_producer", extra=produce, log=root / f"prefill{i}.log",
+                        max_model_len=8192) for i in range(2)]
     dec = EngineServer(model, free_port(), role="kv_consumer",
                        extra=extra if inbox is None else {**extra, "kvport_pd_inbox": inbox},
                        log=root / "decode.log", max_model_len=8192, env=decode_cpus_env())

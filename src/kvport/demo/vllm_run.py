@@ -77,9 +77,10 @@ def run(users: int, rounds: int, max_new_tokens: int, json_path: Path | None, co
                       "vllm serve, kvport proxy (about a minute on 2 cores)")
         srv = KVPortServer(root / "kvport-serve.log", ("--capacity", "2GiB")).start()
         extra = {"kvport_server": f"127.0.0.1:{srv.port}", "kvport_disk_dir": shared, "kvport_disk_capacity": "2 GiB"}
-        pre = EngineServer(model, free_port(), role="kv_producer", extra=extra, log=root / "prefill.log")
         # where the prefill engine streams each hand-off, layer by layer: shared memory, both on this host
         inbox = f"shm:kvport-demo-{secrets.token_hex(6)}"
+        pre = EngineServer(model, free_port(), role="kv_producer", extra={**extra, "kvport_pd_destinations": [inbox]},
+                           log=root / "prefill.log")
         dec = EngineServer(model, free_port(), role="kv_consumer", extra={**extra, "kvport_pd_inbox": inbox},
                            log=root / "decode.log", env=decode_cpus_env())
         proxy: ProxyServer | None = None

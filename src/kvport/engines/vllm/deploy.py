@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -31,7 +32,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvport.config import subprocess_env
+from kvport.config import Settings, subprocess_env
 from kvport.errors import EngineError
 
 from .runner import CONNECTOR, CONNECTOR_MODULE
@@ -59,6 +60,18 @@ def decode_cpus_env() -> dict[str, str]:
     n = os.cpu_count() or 1
     return {"VLLM_CPU_OMP_THREADS_BIND": str(n - 1)} if n > 1 else {}
 IDLE_SPIN_MS = 5
+
+
+_SECRET: list[str] = []
+
+
+def deployment_secret() -> str:
+    """The hand-off secret of the engines this process starts (every decode engine's inbox link
+    authenticates with it, :mod:`kvport.transfer.links`): KVPORT_PD_SECRET (or KVPORT_AUTH_TOKEN)
+    when set, else 32 random bytes drawn once per process, so each deployment has its own."""
+    if not _SECRET:
+        _SECRET.append(Settings.from_env().pd_secret or secrets.token_hex(32))
+    return _SECRET[0]
 
 
 def connector_config(role: str, extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -97,7 +110,9 @@ class EngineServer:
         # prometheus_client's multiprocess mode: the API server's /metrics then also shows the counters
         # kvport keeps in the engine-core and worker processes (kvport_vllm_pd_loads_total, ...)
         self.metrics_dir = log.parent / f"prometheus-{port}"
-        self.env = subprocess_env({**SERVE_ENV, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir), **(env or {})})
+        own = {"KVPORT_PD_SECRET": deployment_secret()} if role is not None else {}
+        self.env = subprocess_env({**SERVE_ENV, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir), **own,
+                                   **(env or {})})
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> EngineServer:

@@ -14,7 +14,7 @@ from kvport.cli.main import main
 from kvport.errors import AuthError, TierUnavailableError, UnknownBlockError
 from kvport.protocol.frame import HEADER_BYTES, MsgType, decode_header, encode_frame, frame_bytes
 
-from .conftest import TOKENS, MiB, base_args
+from .conftest import TOKENS, MiB, base_args, write_tenants
 from .raw import authed_socket, closed_within, recv_frame
 
 
@@ -163,6 +163,32 @@ def test_a_tenant_probing_another_tenants_prefix_gets_misses(tenant_server) -> N
     bob.close()
     with pytest.raises((AuthError, TierUnavailableError)):
         srv.client("bob", TOKENS["alice"], retries=0)
+
+
+def test_a_tenant_sees_its_own_use_of_each_tier_and_an_admin_the_servers(server_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Per-tier used bytes and block counts, and the staging in flight, answered to a tenant are its
+    own: another tenant's blocks never show in them (a side channel on what others store); an admin
+    tenant sees the server's."""
+    f = write_tenants(tmp_path / "tenants.json", [{"name": "boss", "admin": True}, {"name": "x"}, {"name": "y"}])
+    srv = server_factory(*base_args("256MiB", "--tenants", str(f)))
+    x, y, boss = srv.client("x"), srv.client("y"), srv.client("boss")
+
+    def host(c) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+        st = c.stats()
+        assert st.server is not None
+        (t,) = [t for t in st.server.tiers if t.name == "host"]
+        assert t.capacity > 0 and st.server.staging_bytes == 0
+        return t.used, t.blocks
+
+    for i in range(3):
+        x.put(bytes([i]) * 16, np.ones(MiB, dtype=np.uint8))
+    assert host(y) == (0, 0)
+    y.put(b"y" * 16, np.ones(MiB, dtype=np.uint8))
+    assert host(y) == (MiB, 1)
+    assert host(x) == (3 * MiB, 3)
+    assert host(boss) == (4 * MiB, 4)
+    for c in (x, y, boss):
+        c.close()
 
 
 def test_put_with_a_corrupt_chunk_in_a_later_group_stores_nothing(shared_server) -> None:  # type: ignore[no-untyped-def]

@@ -1,8 +1,10 @@
 """What ``kvport inspect`` shows: usage (STATS), who holds which block (OWNERS), leaks (LEAKS).
 
 Every answer is built from the store and the ledger, never from a copy of them. A tenant sees only
-its own blocks, rows and counts; an admin tenant sees every tenant. Server-wide capacities are
-visible to every tenant (they say nothing about another tenant's blocks). Blocks are named by the
+its own blocks, rows and counts, per tier too (used bytes and blocks: its own); an admin tenant
+sees every tenant and the server-wide figures (per-tier use, staging in flight), as /metrics shows
+them to the operator. Server-wide capacities are visible to every tenant (they say nothing about
+another tenant's blocks). Blocks are named by the
 client's key (hex); a "prefix" is named by its last block's chained key, which fixes the whole
 prefix before it.
 """
@@ -96,10 +98,19 @@ def stats(h: Handlers, tenant: Tenant, brief: bool, list_keys: bool) -> StatsAns
                           (store.where(k) or ("",))[0]) for k in top]
     pins = [_pin_row(p, now, _client_key(h, p.key)) for p in h.ledger.pins() if p.key in mine_set][:MAX_ROWS]
     leases = [_lease_row(ls, now) for ls in h.ledger.leases() if _visible(ls.holder, tenant)][:MAX_ROWS]
+    if tenant.admin:
+        tier_used, tier_blocks = st.used_bytes, st.blocks
+    else:  # a tenant's own: other tenants' use of a tier is theirs to know
+        tier_used, tier_blocks = dict.fromkeys(store.names, 0), dict.fromkeys(store.names, 0)
+        for k in mine_set:
+            size = store.size_of(k) or 0
+            for tier in store.where(k):
+                tier_used[tier] += store.tiers[tier].charge(size)
+                tier_blocks[tier] += 1
     server = ServerUsage(
-        tiers=tuple(TierUsage(n, st.used_bytes[n], store.tiers[n].capacity_bytes, st.blocks[n]) for n in store.names),
+        tiers=tuple(TierUsage(n, tier_used[n], store.tiers[n].capacity_bytes, tier_blocks[n]) for n in store.names),
         page_bytes=h.page_bytes, connections=len(h.connections) if tenant.admin else conns.get(tenant.name, 0),
-        staging_bytes=h.pool.allocated, draining=h.draining, uptime_s=round(now - h.started, 3))
+        staging_bytes=h.pool.allocated if tenant.admin else 0, draining=h.draining, uptime_s=round(now - h.started, 3))
     return StatsAnswer(capacity, tenant.quota_bytes, used, server, tuple(tenants), tuple(top_rows), tuple(pins),
                        tuple(leases), keys)
 

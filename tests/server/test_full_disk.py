@@ -22,27 +22,34 @@ import numpy as np
 import pytest
 
 from kvport.client.remote import RemoteTier
+from kvport.errors import TierFullError
 
 from .conftest import MiB, base_args
 
 FS_BYTES = 8 * MiB
 
 
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "small-fs"
-    mnt.mkdir()
+@contextlib.contextmanager
+def tmpfs(mnt: Path, size: int) -> Iterator[Path]:
+    """A tmpfs of ``size`` bytes mounted on ``mnt`` (created) meanwhile; the test is skipped without root."""
+    mnt.mkdir(parents=True, exist_ok=True)
     try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FS_BYTES}", "tmpfs", str(mnt)], check=True,
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], check=True,
                        capture_output=True, timeout=30)
     except (OSError, subprocess.SubprocessError) as exc:
         err = getattr(exc, "stderr", b"") or b""
-        pytest.skip(f"cannot mount a {FS_BYTES >> 20} MiB tmpfs (needs root): {exc} {err.decode().strip()}")
+        pytest.skip(f"cannot mount a {size >> 20} MiB tmpfs (needs root): {exc} {err.decode().strip()}")
     try:
         yield mnt
     finally:
         with contextlib.suppress(subprocess.SubprocessError):
             subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    with tmpfs(tmp_path / "small-fs", FS_BYTES) as mnt:
+        yield mnt
 
 
 def value_of(key: bytes, n: int = MiB) -> bytes:
@@ -94,7 +101,7 @@ def test_demotion_into_a_full_disk_loses_no_value_out_of_lru_order(server_factor
     is full stays deleted; the server restarts on the full disk and serves every value it had on
     disk."""
     disk = small_fs / "disk"
-    srv = server_factory(*server_args(disk, "80MiB"))
+    srv = server_factory(*server_args(disk, "90MiB"))
     host_pages = srv.info["host_capacity"] // MiB
     c = srv.client(pool_size=1, backpressure_timeout_s=2.0)
     pinned = [key_of("pin", i) for i in range(3)]
@@ -141,7 +148,7 @@ def test_demotion_into_a_full_disk_loses_no_value_out_of_lru_order(server_factor
     c.close()
     assert srv.stop(signal.SIGTERM) == 0
     fill_up(small_fs)  # whatever the shutdown's spill left free
-    srv2 = server_factory(*server_args(disk, "80MiB"))
+    srv2 = server_factory(*server_args(disk, "90MiB"))
     c = srv2.client(pool_size=1)
     after = tiers_of(c, pinned + chain + loose + acked)
     missing = [k for k in on_disk if k not in after]
@@ -153,22 +160,57 @@ def test_demotion_into_a_full_disk_loses_no_value_out_of_lru_order(server_factor
 
 
 def test_shutdown_spill_goes_on_after_a_block_that_does_not_fit(server_factory, small_fs: Path) -> None:  # type: ignore[no-untyped-def]
-    """Host blocks moved to disk at SIGTERM, newest first: the newest (4 MiB) does not fit the
-    free space (ENOSPC); the older 1 MiB ones after it still do, and the restart finds them."""
+    """Host blocks moved to disk at SIGTERM, newest first, after another file took the room they
+    had when acknowledged (the one loss a check at PUT time cannot prevent): the newest (4 MiB)
+    does not fit the 3.5 MiB left (ENOSPC); the older 1 MiB ones after it still do, and the restart
+    finds them."""
     disk = small_fs / "disk"
     srv = server_factory(*server_args(disk, "120MiB"))
-    filler = small_fs / "filler"
-    st = os.statvfs(small_fs)
-    free = st.f_bavail * st.f_frsize
-    with open(filler, "wb") as f:  # leave 3.5 MiB: room for three 1 MiB slabs and the journal, not 4 MiB
-        f.write(bytes(free - 3 * MiB - MiB // 2))
     c = srv.client(pool_size=1)
     small = [key_of("small", i) for i in range(3)]
     for k in small:
         c.put(k, value_of(k))
     big = key_of("big", 0)
-    c.put(big, value_of(big, 4 * MiB))  # the newest: spilled first, and too large
+    c.put(big, value_of(big, 4 * MiB))  # the newest: spilled first
     assert set(tiers_of(c, [*small, big]).values()) == {("host",)}
+    c.close()
+    leave_free(small_fs, 3 * MiB + MiB // 2)  # room for three 1 MiB slabs and the journal, not 4 MiB
+    assert srv.stop(signal.SIGTERM) == 0
+    srv2 = server_factory(*server_args(disk, "120MiB"))
+    c = srv2.client(pool_size=1)
+    after = tiers_of(c, [*small, big])
+    assert sorted(after) == sorted(small) and set(after.values()) == {("disk",)}
+    for k in small:
+        assert reads_back(c, k)
+    c.close()
+
+
+def leave_free(fs: Path, nbytes: int) -> None:
+    """Another process's file takes all the free space of ``fs`` but ``nbytes``."""
+    st = os.statvfs(fs)
+    with open(fs / "filler", "wb") as f:
+        f.write(bytes(st.f_bavail * st.f_frsize - nbytes))
+
+
+def test_a_put_the_disk_could_not_keep_through_a_shutdown_is_refused(server_factory, small_fs: Path) -> None:  # type: ignore[no-untyped-def]
+    """``--disk-capacity`` 64 MiB on a filesystem of 8 MiB: the server says so at start and uses
+    what the filesystem holds. With 3.5 MiB left free by another file, three 1 MiB values are
+    acknowledged; a 4 MiB one, which a graceful shutdown could not move to disk beside them, is
+    refused (TierFullError); every value acknowledged is served after SIGTERM and a restart."""
+    disk = small_fs / "disk"
+    srv = server_factory(*server_args(disk, "120MiB"))
+    assert 0 < srv.info["disk_capacity"] <= FS_BYTES
+    srv.err.seek(0)
+    assert "is more than the filesystem" in srv.err.read().decode()
+    leave_free(small_fs, 3 * MiB + MiB // 2)
+    c = srv.client(pool_size=1, backpressure_timeout_s=0.5)
+    small = [key_of("small", i) for i in range(3)]
+    for k in small:
+        c.put(k, value_of(k))
+    big = key_of("big", 0)
+    with pytest.raises(TierFullError):
+        c.put(big, value_of(big, 4 * MiB))
+    assert sorted(tiers_of(c, [*small, big])) == sorted(small)
     c.close()
     assert srv.stop(signal.SIGTERM) == 0
     srv2 = server_factory(*server_args(disk, "120MiB"))
@@ -178,3 +220,40 @@ def test_shutdown_spill_goes_on_after_a_block_that_does_not_fit(server_factory, 
     for k in small:
         assert reads_back(c, k)
     c.close()
+
+
+def test_with_the_journal_full_a_put_is_refused_and_nothing_acknowledged_is_lost(  # type: ignore[no-untyped-def]
+        server_factory, small_fs: Path) -> None:
+    """The journal's filesystem (8 MiB) is full, the slabs' (32 MiB, mounted below it) is not: a
+    PUT is refused (TierFullError) -- a value the disk cannot record would not survive a restart,
+    and room made for it would cost the values already acknowledged. Once the journal has room
+    again, a graceful restart serves every value acknowledged, none of those refused."""
+    disk = small_fs / "disk"
+    with tmpfs(disk / "blocks", 32 * MiB):
+        srv = server_factory(*server_args(disk, "120MiB"))
+        host_pages = srv.info["host_capacity"] // MiB
+        c = srv.client(pool_size=1, backpressure_timeout_s=0.5)
+        acked = [key_of("early", i) for i in range(2)]
+        for k in acked:
+            c.put(k, value_of(k))
+        fill_up(small_fs)
+        refused = 0
+        for i in range(host_pages + 4):  # more than the host holds: room for them would have to be made
+            k = key_of("late", i)
+            try:
+                c.put(k, value_of(k))
+                acked.append(k)
+            except TierFullError:
+                refused += 1
+        assert refused == host_pages + 4, f"{host_pages + 4 - refused} values acknowledged with the journal full"
+        assert set(tiers_of(c, acked)) == set(acked)
+        (small_fs / "filler").unlink()
+        c.close()
+        assert srv.stop(signal.SIGTERM) == 0
+        srv2 = server_factory(*server_args(disk, "120MiB"))
+        c = srv2.client(pool_size=1)
+        after = tiers_of(c, [*acked, *(key_of("late", i) for i in range(host_pages + 4))])
+        assert sorted(after) == sorted(acked)
+        for k in acked:
+            assert reads_back(c, k)
+        c.close()

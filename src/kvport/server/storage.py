@@ -10,6 +10,9 @@
                                                        eviction leaves room for the host pool (up to
                                                        half the disk): a graceful shutdown moves
                                                        every host block down, parents first
+    keep_spillable=(host, disk)                        a write is refused that the disk (its real
+                                                       free space and its journal's) could not
+                                                       take with every host block at shutdown
 
 Placement, eviction (prefix-aware: a block never outlives its parent), demotion, lifetimes and TTLs
 are the store's; ownership, leases and pins are the ledger's (a PUT hands the block to the pool,
@@ -33,6 +36,8 @@ from kvport.errors import ConfigError, TierError
 from kvport.keys import KEY_BYTES
 from kvport.ledger import Ledger
 from kvport.store import LifetimePolicy, TieredStore, TierPolicy
+from kvport.tiers.base import fs_room
+from kvport.tiers.disk import DiskTier
 from kvport.tiers.host import HostTier
 from kvport.tiers.journal import Journal
 from kvport.tiers.paged import PagedTier
@@ -88,19 +93,22 @@ def open_storage(host_bytes: int, page_bytes: int, disk_dir: Path | None, disk_c
     ``spill_reserve``: the disk keeps room for the host tier (up to half the disk) that eviction does
     not use, so that a graceful shutdown moves every host block down (:meth:`TieredStore.spill`):
     a host block that found no room would be lost, and with it the blocks below that descend from
-    it (a restart drops a block whose parent is gone)."""
+    it (a restart drops a block whose parent is gone). The room is real: at start a
+    ``disk_capacity`` over what the filesystem can hold (free space plus the blocks already there)
+    is lowered to it, with one warning; while running, a write the disk could not take at shutdown
+    with every host block (another process took the space, the journal's filesystem is full) is
+    refused (``keep_spillable``: TierFullError, after the disk's own victims left)."""
     with _allocating(host_bytes, "--capacity"):
         pool = HostTier(host_bytes, page_bytes, pin=False, name="server-host")
     host = PagedTier(pool, page_bytes, name=HOST, max_value_bytes=max_value_bytes)
     tiers = [host]
     if disk_dir is not None:
-        from kvport.tiers.disk import DiskTier
-
         journal = None
         try:
             journal = Journal(disk_dir)  # locks the folder first: a second server touches nothing
-            disk = PagedTier(DiskTier(disk_dir / "blocks", disk_capacity), page_bytes, name=DISK,
-                             journal=journal, max_value_bytes=max_value_bytes)
+            slabs = DiskTier(disk_dir / "blocks", disk_capacity)
+            disk = PagedTier(slabs, page_bytes, name=DISK, journal=journal, max_value_bytes=max_value_bytes)
+            disk_capacity = _fit_filesystem(slabs, disk_dir)
         except TierError as exc:
             if journal is not None:
                 journal.close()
@@ -115,8 +123,21 @@ def open_storage(host_bytes: int, page_bytes: int, disk_dir: Path | None, disk_c
     below = 1.0 - reserve / disk_capacity if disk_capacity else 1.0
     disk_policy = TierPolicy(high_watermark=below, low_watermark=below)
     store = TieredStore(tiers, Ledger(), LifetimePolicy(), eviction, tier_policies={HOST: exact, DISK: disk_policy},
-                        quotas=quotas, keep_orphans=False)
+                        quotas=quotas, keep_orphans=False,
+                        keep_spillable=(HOST, DISK) if spill_reserve and disk_dir is not None else None)
     if disk_dir is not None:
         log.info("recovered %d blocks from disk (%d dropped: parent gone)", len(store),
                  store.orphans_dropped)
     return store
+
+
+def _fit_filesystem(slabs: DiskTier, disk_dir: Path) -> int:
+    """The disk's capacity, lowered to what its filesystem can hold (free space plus the blocks
+    already there), with one warning when it was over."""
+    fs = fs_room(disk_dir)
+    real = fs.free_bytes + slabs.used_bytes
+    if slabs.capacity_bytes > real:
+        log.warning("--disk-capacity %d is more than the filesystem of %s can hold (%d bytes free, %d held): "
+                    "using %d", slabs.capacity_bytes, disk_dir, fs.free_bytes, slabs.used_bytes, real)
+        slabs.limit_capacity(real)
+    return slabs.capacity_bytes

@@ -17,6 +17,10 @@ Data flow::
     quotas          --> a block may name an ``account`` (a tenant); a put that would take the account
                         over its quota first drops the account's own evictable leaves, else raises
                         QuotaExceededError (placement is unchanged: quota is a policy of the store)
+    keep_spillable  --> (upper, lower): a block is written to either only while the lower tier can take,
+                        for real (Tier.shortfall: capacity, free space of its filesystem, its journal),
+                        every block of the upper one and this one: what a graceful shutdown spills
+                        down; else the lower tier's own victims leave, else TierFullError
 
 Invariants: ``_meta`` holds exactly the blocks present in at least one tier index; every block in
 ``_meta`` is registered in the ledger (the store registers what it puts, owned by the pool unless an
@@ -122,10 +126,11 @@ class TieredStore:
                  eviction: str = DEFAULT_POLICY, *, tier_policies: Mapping[str, TierPolicy] | None = None,
                  clock: Callable[[], float] = time.monotonic, retry_broken_s: float = 1.0,
                  adopt_persistent: bool = True, quotas: Mapping[str, int] | None = None,
-                 keep_orphans: bool = True) -> None:
+                 keep_orphans: bool = True, keep_spillable: tuple[str, str] | None = None) -> None:
         """``quotas``: bytes per account (blocks put with that ``account``); ``keep_orphans=False``:
         a persistent tier's block whose parent did not survive a restart is dropped at adoption (a
-        child without its parent can never be hit)."""
+        child without its parent can never be hit); ``keep_spillable``: (upper, lower), see the
+        module docstring."""
         if not tiers:
             raise ConfigError("a TieredStore needs at least one tier")
         names = tuple(t.name for t in tiers)
@@ -138,6 +143,9 @@ class TieredStore:
         for lt in Lifetime:
             self.policy.tiers_for(lt, names)  # validates tier names now, not on the first put
         self.tier_policies = {n: (tier_policies or {}).get(n, TierPolicy()) for n in names}
+        if keep_spillable is not None and not set(keep_spillable) <= set(names):
+            raise ConfigError(f"keep_spillable {keep_spillable} names a tier not in {names}")
+        self.keep_spillable = keep_spillable
         self.clock = clock
         self._idx = {t.name: TierIndex(make_policy(eviction), t.capacity_bytes) for t in tiers}
         self._meta: dict[bytes, _Meta] = {}
@@ -420,6 +428,8 @@ class TieredStore:
         if not self._health.healthy(t):
             raise TierUnavailableError(f"{name} is marked broken")
         charges = [t.charge(v.nbytes) for _, v in srcs]
+        if self._spill_short(name, None, sum(charges), len(srcs)):
+            raise TierFullError(f"{name}: no room to keep {len(srcs)} blocks through a graceful shutdown")
         self._make_room(name, sum(charges))
         m0 = self._meta[srcs[0][0]]
         try:
@@ -444,6 +454,11 @@ class TieredStore:
             raise TierUnavailableError(f"{name} is marked broken")
         n = sum(p.nbytes for p in parts)
         charge = t.charge(n)
+        short = self._spill_short(name, key, charge) if evict_when_full else 0
+        if short:
+            up, low = self.keep_spillable or (name, name)
+            raise TierFullError(f"{name}: {low} could not take this block with those of {up} at a graceful "
+                                f"shutdown ({short} bytes short)")
         if evict_when_full:
             self._make_room(name, charge)
         ttl = self._native_ttl(t, m)
@@ -463,6 +478,40 @@ class TieredStore:
         self._bytes_in[name] += n
         _BYTES_IN.labels(name).inc(n)
         self._index_add(name, key, n, None, m.lifetime, charge)
+
+    def _spill_short(self, name: str, key: bytes | None, charge: int, values: int = 1) -> int:
+        """Bytes the lower tier of ``keep_spillable`` lacks, now, to take every block of the upper one
+        plus this write of ``charge`` into ``name`` (0: it may go ahead). A copy between the two (a
+        demotion, a promotion, a write behind) changes nothing and is not checked. Room is made
+        first by evicting the lower tier's own victims (as its eviction would)."""
+        if self.keep_spillable is None or name not in self.keep_spillable:
+            return 0
+        up, low = self.keep_spillable
+        if key is not None and key in self._idx[low if name == up else up]:
+            return 0
+        ix = self._idx[up]
+        values += len(ix) + sum(1 for r in self._reserved.values() if r.tier == up)
+        lower = self.tiers[low]
+        try:
+            short = lower.shortfall(ix.used + charge, values)
+            if short > 0 and self.evict(low, short) > 0:
+                short = lower.shortfall(ix.used + charge, values)
+            if short <= 0 or lower.shortfall(charge, 1) > 0:
+                return short  # fits, or would not fit even alone (a full journal): nothing more leaves
+            for k in ix.victims(self._droppable):  # the upper tier's own leaves leave the store
+                if k in self._idx[low]:
+                    self._forget_in(up, k)
+                else:
+                    _EVICTIONS.labels(up, "spill_room").inc()
+                    self._drop(k)
+                values -= 1
+                short = lower.shortfall(ix.used + charge, values)
+                if short <= 0:
+                    break
+        except TierError as exc:  # its room cannot be read (statvfs failed): the write finds out itself
+            log.warning("store: room of %s unknown: %s", low, exc)
+            return 0
+        return short
 
     def _native_ttl(self, t: Tier, m: _Meta) -> float | None:
         if not t.caps.native_ttl:
@@ -656,6 +705,8 @@ class TieredStore:
                     if not t.caps.zero_copy_write or not self._health.healthy(t):
                         continue
                     charge = t.charge(nbytes)
+                    if self._spill_short(name, key, charge):
+                        continue
                     self._make_room(name, charge)
                     ix = self._idx[name]
                     if ix.used + charge > ix.capacity:

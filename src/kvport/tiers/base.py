@@ -26,8 +26,10 @@ Contract shared by every implementation:
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -99,6 +101,23 @@ def byte_view(data: Buffer) -> memoryview:
     return mv.toreadonly()
 
 
+@dataclass(frozen=True, slots=True)
+class FsRoom:
+    """What ``os.statvfs`` says of a folder's filesystem: bytes free to this process, block size."""
+
+    free_bytes: int
+    total_bytes: int
+    block_bytes: int
+
+
+def fs_room(path: str | Path) -> FsRoom:
+    try:
+        st = os.statvfs(path)
+    except OSError as exc:
+        raise TierError(f"cannot stat the filesystem of {path}: {exc}") from exc
+    return FsRoom(st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, st.f_frsize or 4096)
+
+
 def writable_view(dst: Buffer, need: int) -> memoryview:
     """A flat writable ``uint8`` view of ``dst`` of at least ``need`` bytes, else BufferMismatchError."""
     try:
@@ -167,6 +186,12 @@ class Tier(abc.ABC):
     def charge(self, nbytes: int) -> int:
         """Bytes of capacity a value of ``nbytes`` takes here (the host pool charges whole pages)."""
         return nbytes
+
+    def shortfall(self, nbytes: int, values: int) -> int:
+        """Bytes missing, now, for ``values`` more values of ``nbytes`` charged bytes in all (0: they
+        fit). The default reads the tier's own accounting; a tier on a filesystem answers for the
+        filesystem instead (its free space may be less than the capacity says, or taken by others)."""
+        return max(0, self.used_bytes + nbytes - self.capacity_bytes)
 
     # ------------------------------------------------------------------ blocks with metadata, parts
     def put_block(self, key: bytes, parts: Sequence[Buffer], meta: BlockMeta, *, ttl_s: float | None = None) -> None:

@@ -55,7 +55,7 @@ import xxhash
 
 from kvport.errors import BlockNotFoundError, BufferMismatchError, CorruptBlockError, TierError, TierFullError
 from kvport.tiers import checksums
-from kvport.tiers.base import Buffer, Tier, TierCaps, byte_view, writable_view
+from kvport.tiers.base import Buffer, Tier, TierCaps, byte_view, fs_room, writable_view
 
 MAGIC = b"KVPSLAB1"
 _HEAD = struct.Struct("<8sII")
@@ -195,6 +195,19 @@ class DiskTier(Tier):
     @property
     def used_bytes(self) -> int:
         return self._used
+
+    def limit_capacity(self, nbytes: int) -> None:
+        """Lower the capacity to ``nbytes`` (before a store accounts for it: a filesystem smaller
+        than the capacity it was given)."""
+        self._capacity = min(self._capacity, nbytes)
+
+    def shortfall(self, nbytes: int, values: int) -> int:
+        """Short of the filesystem's free space for ``values`` slabs of ``nbytes`` in all (each slab:
+        its table and its tail rounded up to a filesystem block). The capacity is not counted here:
+        the store's watermarks keep to it."""
+        fs = fs_room(self.dir)
+        need = nbytes + values * 2 * fs.block_bytes + nbytes // 1024  # tables: 48 bytes per entry
+        return max(0, need - fs.free_bytes)
 
     # ------------------------------------------------------------------ writes
     def put(self, key: bytes, data: Buffer, *, ttl_s: float | None = None) -> None:

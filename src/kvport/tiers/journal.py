@@ -34,7 +34,7 @@ import xxhash
 
 from kvport.errors import TierError, TierFullError
 from kvport.lifetime import Lifetime
-from kvport.tiers.base import BlockMeta
+from kvport.tiers.base import BlockMeta, fs_room
 
 log = logging.getLogger(__name__)
 MAGIC = b"KVJ1"
@@ -42,6 +42,7 @@ _HEAD = struct.Struct("<4sII")
 MAX_BODY = 1 << 16
 JOURNAL_FILE = "blocks.journal"
 LOCK_FILE = "LOCK"
+RECORD_ROOM = 512  # room counted per record to come (an ADD with its meta is ~100-300 bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +193,11 @@ class Journal:
                 self._f = open(self.path, "ab")  # noqa: SIM115 - held open for appends until close()
             except OSError as exc:
                 raise _mapped(exc, f"cannot open journal {self.path}") from exc
+
+    def shortfall(self, records: int) -> int:
+        """Bytes the journal's filesystem lacks for ``records`` more records (0: they fit)."""
+        fs = fs_room(self.folder)
+        return max(0, records * RECORD_ROOM + fs.block_bytes - fs.free_bytes)
 
     def add(self, key: bytes, length: int, meta: BlockMeta) -> None:
         self._append(encode_add(key, length, meta))

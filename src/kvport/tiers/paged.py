@@ -101,6 +101,11 @@ class PagedTier(Tier):
         out = full * self.inner.charge(self.page_bytes)
         return out + (self.inner.charge(rest) if rest or not full else 0)
 
+    def shortfall(self, nbytes: int, values: int) -> int:
+        """The inner tier's shortfall, or the journal's: a value is kept only with its record."""
+        short = self.inner.shortfall(nbytes, values)
+        return short if self.journal is None else max(short, self.journal.shortfall(values))
+
     # ------------------------------------------------------------------ writes
     def put(self, key: bytes, data: Buffer, *, ttl_s: float | None = None) -> None:
         self.put_block(key, [data], _NO_META, ttl_s=ttl_s)

@@ -21,12 +21,12 @@ from kvport.cli.main import main
 SMALL = ["--listen", "127.0.0.1:0", "--capacity", "192MiB", "--max-value", "8MiB", "--inflight", "16MiB"]
 
 
-def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def serve(*args: str, env: dict[str, str] | None = None, command: str = "serve") -> subprocess.CompletedProcess[str]:
     try:
-        return subprocess.run([sys.executable, "-m", "kvport.cli.serve_cmd", *args], capture_output=True, text=True,
-                              timeout=60, env=dict(os.environ, **(env or {})))
+        return subprocess.run([sys.executable, "-m", f"kvport.cli.{command}_cmd", *args], capture_output=True,
+                              text=True, timeout=60, env=dict(os.environ, **(env or {})))
     except subprocess.TimeoutExpired as exc:  # the process is killed by subprocess.run
-        pytest.fail(f"kvport serve {' '.join(args)} started instead of refusing: {exc.stdout!r}")
+        pytest.fail(f"kvport {command} {' '.join(args)} started instead of refusing: {exc.stdout!r}")
 
 
 def assert_one_line_error(rc: int, err: str, *words: str) -> None:
@@ -131,6 +131,13 @@ def test_serve_short_tenant_token_beyond_loopback(tmp_path: Path) -> None:
     assert_one_line_error(p.returncode, p.stderr, "token", "at least 8")
 
 
+def test_proxy_short_env_token_beyond_loopback() -> None:
+    # the length kvport serve requires (issue 25, defect 11): the proxy accepted a 1-character token
+    p = serve("--listen", "0.0.0.0:0", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+              env={"KVPORT_AUTH_TOKEN": "x"}, command="proxy")
+    assert_one_line_error(p.returncode, p.stderr, "KVPORT_AUTH_TOKEN", "at least 8")
+
+
 # ------------------------------------------------------------------ size
 def test_size_memory_that_rounds_to_zero_bytes() -> None:
     p = subprocess.run([sys.executable, "-m", "kvport.cli.main", "size", "--model", "llama-3.1-8b", "--tokens", "10",
@@ -175,6 +182,8 @@ def test_size_memory_of_one_token_fits_one(capsys: pytest.CaptureFixture[str]) -
      "--listen"),
     (["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--prefill-timeout", "nan"],
      "--prefill-timeout"),
+    (["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--body-timeout", "inf"],
+     "--body-timeout"),
     (["proxy", "--decode", "http://127.0.0.1:2"], "--prefill"),
 ])
 def test_bad_values_one_line_naming_the_flag(args: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:

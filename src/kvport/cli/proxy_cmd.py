@@ -16,6 +16,7 @@ from kvport.cli.serve_cmd import parse_listen
 from kvport.config import Settings
 from kvport.errors import ConfigError, UserInputError
 from kvport.protocol.net import is_loopback
+from kvport.server.app import MIN_TOKEN_CHARS
 
 
 @click.command(name="proxy")
@@ -31,8 +32,12 @@ from kvport.protocol.net import is_loopback
               help="seconds a prefill may take before the decode engine computes the prompt itself")
 @click.option("--decode-timeout", default=600.0, show_default=True, type=float, callback=as_seconds,
               help="seconds a whole answer may take")
+@click.option("--header-timeout", default=10.0, show_default=True, type=float, callback=as_seconds,
+              help="seconds a client has to send a request's head (from connecting or its previous answer)")
+@click.option("--body-timeout", default=30.0, show_default=True, type=float, callback=as_seconds,
+              help="seconds a client has to send a request's body (408 past it)")
 def proxy_cmd(listen: str, prefill: tuple[str, ...], decode: tuple[str, ...], decode_inbox: tuple[str, ...],
-              prefill_timeout: float, decode_timeout: float) -> None:
+              prefill_timeout: float, decode_timeout: float, header_timeout: float, body_timeout: float) -> None:
     """Serve /v1/completions and /v1/chat/completions: prefill on one engine, decode on another."""
     for flag, urls in (("--prefill", prefill), ("--decode", decode)):
         for url in urls:
@@ -43,12 +48,16 @@ def proxy_cmd(listen: str, prefill: tuple[str, ...], decode: tuple[str, ...], de
     if not is_loopback(host) and not token:
         raise UserInputError(f"--listen {listen}: beyond this machine the proxy needs KVPORT_AUTH_TOKEN "
                              "(every request must then carry it as a bearer token)")
+    if not is_loopback(host) and token is not None and len(token) < MIN_TOKEN_CHARS:
+        raise UserInputError(f"--listen {listen}: KVPORT_AUTH_TOKEN is shorter than {MIN_TOKEN_CHARS} characters; "
+                             f"beyond this machine the proxy needs a token of at least {MIN_TOKEN_CHARS}, "
+                             "as kvport serve does")
     from kvport.engines.vllm.proxy import ProxyConfig, serve_proxy
 
     try:
         cfg = ProxyConfig(prefill=prefill, decode=decode, host=host, port=port, auth_token=token,
                           prefill_timeout_s=prefill_timeout, decode_timeout_s=decode_timeout,
-                          decode_inbox=decode_inbox)
+                          header_timeout_s=header_timeout, body_timeout_s=body_timeout, decode_inbox=decode_inbox)
     except ConfigError as exc:
         raise UserInputError(str(exc)) from exc
     asyncio.run(serve_proxy(cfg))

@@ -2,9 +2,10 @@
 
 ``kvport proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200``: any OpenAI client
 points at it (``/v1/completions``, ``/v1/chat/completions``, streamed or not; ``/v1/models`` and
-``/health`` pass through). Per request, the pattern vLLM's disaggregated connectors use::
+``/health``, ``/metrics``). Per request, the pattern vLLM's disaggregated connectors use::
 
-    client --> proxy --1--> prefill engine   same body, max_tokens 1, stream off,
+    client --> proxy --1--> prefill engine   the prompt only (:func:`prefill_body`): max_tokens 1, n 1,
+                                             stream off, no best_of/logprobs/min_tokens,
                                              kv_transfer_params {"do_remote_decode": true}
                      <----- its answer's kv_transfer_params (where the KV is: kvport's hand-off)
                      --2--> decode engine    the client's body + those kv_transfer_params
@@ -18,12 +19,23 @@ what it cannot load:
 * decode fails before its answer started (refused, killed before loading): the request goes,
   whole, to a prefill engine (a vLLM engine like any other), which computes it;
 * decode fails mid-stream: the stream ends with an OpenAI-style error event (bytes already sent
-  cannot be taken back).
+  cannot be taken back);
+* the client disconnects: its request is cancelled at once, the engine requests closed (the
+  engines then abort them); nothing is recomputed for nobody.
 
-Counters: ``kvport_pd_proxy_requests_total{path}`` with path ``pd`` (handed over), ``no_handoff``
-(prefill failed), ``fallback`` (decode failed, served by a prefill engine) and ``failed``.
-Engines are taken round-robin. Binds 127.0.0.1 by default; another address needs ``auth_token``,
-which every request must then carry as ``Authorization: Bearer``.
+A client is bounded before any engine is asked: ``header_timeout_s`` to send a request's head (from
+the connection's opening or its previous answer), ``body_timeout_s`` to send the body, at most
+:data:`MAX_BODY_BYTES` (413 past it) nested at most :data:`MAX_JSON_DEPTH` deep (400 past it).
+``/health`` asks every engine's ``/health``: 200 ``ok`` when a prefill and a decode engine answer,
+200 ``degraded`` when only one role does (requests are still served, without a hand-off or by a
+prefill engine), 503 ``down`` when none does; the JSON body says which engine answered what.
+``/v1/models`` asks the decode engines, then the prefill engines, until one answers.
+
+Counters (``/metrics``): ``kvport_pd_proxy_requests_total{path}`` with path ``pd`` (handed over),
+``no_handoff`` (prefill failed), ``fallback`` (decode failed, served by a prefill engine),
+``failed`` and ``aborted`` (the client disconnected first). Engines are taken round-robin. Binds
+127.0.0.1 by default; another address needs ``auth_token`` (``kvport proxy`` requires the length
+``kvport serve`` does), which every request must then carry as ``Authorization: Bearer``.
 """
 
 from __future__ import annotations
@@ -36,6 +48,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvport import metrics
 from kvport.errors import ConfigError
@@ -55,7 +69,15 @@ log = logging.getLogger(__name__)
 
 _REQUESTS = metrics.counter("pd_proxy_requests", "requests through the PD proxy, by path taken", ["path"])
 MAX_BODY_BYTES = 16 << 20  # a request body from a client is capped
+MAX_JSON_DEPTH = 64  # nesting of a request body (a tool's JSON schema is a few levels; json.loads recurses)
 _PD_PATHS = ("/v1/completions", "/v1/chat/completions")
+_PROBE_TIMEOUT_S = 2.0  # an engine's /health, for the proxy's /health
+_MODELS_TIMEOUT_S = 10.0  # an engine's /v1/models
+# fields of a client's body that would make the one-token prefill do more than the prompt: several
+# sequences (n, best_of, beam search), the prompt's logprobs (prompt_logprobs; echo with logprobs),
+# or refuse it (min_tokens above max_tokens 1). The decode request keeps them all.
+_NOT_FOR_PREFILL = ("best_of", "use_beam_search", "prompt_logprobs", "echo", "logprobs", "top_logprobs",
+                    "min_tokens", "stream_options")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +89,8 @@ class ProxyConfig:
     auth_token: str | None = field(default=None, repr=False)
     prefill_timeout_s: float = 300.0
     decode_timeout_s: float = 600.0
+    header_timeout_s: float = 10.0  # a client sends a request's head within this (slowloris before auth)
+    body_timeout_s: float = 30.0  # and its body within this
     # the decode engines' inboxes (kvport_pd_inbox, HOST:PORT or shm:NAME), in the order of ``decode``: the prefill
     # engine streams the prompt's KV there during the prefill; empty: hand-offs go through the store
     decode_inbox: Sequence[str] = ()
@@ -83,6 +107,10 @@ class ProxyConfig:
         for addr in self.decode_inbox:
             if parse_dest(addr) is None:
                 raise ConfigError(f"a decode inbox is HOST:PORT or shm:NAME, got {addr!r}")
+        for name in ("prefill_timeout_s", "decode_timeout_s", "header_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0 or value == float("inf"):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
         if not is_loopback(self.host) and not self.auth_token:
             raise ConfigError(f"the proxy binds {self.host}, beyond this machine: it needs an auth token "
                               "(--auth-token or KVPORT_AUTH_TOKEN)")
@@ -92,12 +120,47 @@ class _Failed(Exception):
     """An engine did not answer usefully (the message says why)."""
 
 
+class _ClientGone(Exception):
+    """The client's connection closed while the proxy wrote ``response`` to it."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__("the client disconnected")
+        self.response = response
+
+
+def prefill_body(body: dict[str, Any], inbox: str | None) -> dict[str, Any]:
+    """The prefill engine's request for a client's ``body``: its prompt and sampling, one token,
+    one sequence, not streamed, asking for a hand-off (streamed to ``inbox`` when given)."""
+    pre = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
+    ask: dict[str, Any] = {"do_remote_decode": True}
+    if inbox is not None:
+        ask[DEST_KEY] = inbox
+    pre.update(max_tokens=1, n=1, stream=False, kv_transfer_params=ask)
+    if "max_completion_tokens" in pre:
+        pre["max_completion_tokens"] = 1
+    return pre
+
+
+def nested_deeper(value: Any, limit: int) -> bool:
+    """Whether JSON ``value`` nests more than ``limit`` arrays/objects deep (iterative: no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth >= limit:
+                return True
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
 class PDProxy:
     def __init__(self, cfg: ProxyConfig) -> None:
         self.cfg = cfg
-        self._prefill = itertools.cycle([u.rstrip("/") for u in cfg.prefill])
+        self.prefill_urls = [u.rstrip("/") for u in cfg.prefill]
+        self.decode_urls = [u.rstrip("/") for u in cfg.decode]
+        self._prefill = itertools.cycle(self.prefill_urls)
         inboxes: list[str | None] = [*cfg.decode_inbox] or [None] * len(cfg.decode)
-        self._decode = itertools.cycle(list(zip([u.rstrip("/") for u in cfg.decode], inboxes, strict=True)))
+        self._decode = itertools.cycle(list(zip(self.decode_urls, inboxes, strict=True)))
         self._session: aiohttp.ClientSession | None = None
         self.counts: dict[str, int] = {}
 
@@ -108,6 +171,7 @@ class PDProxy:
             app.router.add_post(path, self._handle)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -115,8 +179,13 @@ class PDProxy:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         token = self.cfg.auth_token
-        if token and not hmac.compare_digest(request.headers.get("Authorization", ""), f"Bearer {token}"):
-            return _error(401, "missing or wrong bearer token")
+        if token:
+            try:  # bytes: compare_digest refuses a str that is not ASCII
+                given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            except UnicodeEncodeError:
+                given = b""
+            if not hmac.compare_digest(given, f"Bearer {token}".encode("utf-8", "surrogateescape")):
+                return _error(401, "missing or wrong bearer token")
         resp: web.StreamResponse = await handler(request)
         return resp
 
@@ -137,25 +206,90 @@ class PDProxy:
             raise RuntimeError("proxy not started")
         return self._session
 
+    async def _probe(self, url: str) -> str:
+        """``ok`` when the engine's /health answers 200, else why not."""
+        try:
+            async with self.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=_PROBE_TIMEOUT_S)) as r:
+                return "ok" if r.status == 200 else f"answered {r.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok\n")
+        states = await asyncio.gather(*(self._probe(u) for u in [*self.prefill_urls, *self.decode_urls]))
+        prefill = dict(zip(self.prefill_urls, states[:len(self.prefill_urls)], strict=True))
+        decode = dict(zip(self.decode_urls, states[len(self.prefill_urls):], strict=True))
+        up = ["ok" in prefill.values(), "ok" in decode.values()]
+        status = "ok" if all(up) else "degraded" if any(up) else "down"
+        return web.json_response({"status": status, "prefill": prefill, "decode": decode},
+                                 status=503 if status == "down" else 200)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _models(self, request: web.Request) -> web.Response:
-        try:
-            async with self.session.get(next(self._decode)[0] + "/v1/models",
-                                        timeout=aiohttp.ClientTimeout(total=30)) as r:
-                return web.Response(status=r.status, body=await r.read(), content_type="application/json")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            return _error(502, f"decode engine unreachable: {exc}")
+        why: list[str] = []
+        for url in [*self.decode_urls, *self.prefill_urls]:
+            try:
+                async with self.session.get(url + "/v1/models",
+                                            timeout=aiohttp.ClientTimeout(total=_MODELS_TIMEOUT_S)) as r:
+                    if r.status == 200:
+                        return web.Response(body=await r.read(), content_type="application/json")
+                    why.append(f"{url} answered {r.status}")
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                why.append(f"{url}: {type(exc).__name__}")
+        return _error(502, f"no engine answered /v1/models: {'; '.join(why)}")
 
     # ---------------------------------------------------------------- one request
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
+    async def _read_body(self, request: web.Request) -> dict[str, Any] | web.Response:
+        """The client's JSON object, or the error answer: 408 (too slow), 413 (too large), 400."""
+        # a body too large is not read: aiohttp reads and drops what the client still sends (for a
+        # while), so the client reads the 413 instead of a reset
+        too_large = _error(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
+        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+            return too_large
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError, web.HTTPException):
+            async with asyncio.timeout(self.cfg.body_timeout_s):
+                data = await request.read()
+        except TimeoutError:
+            slow = _error(408, f"the body was not sent within {self.cfg.body_timeout_s:g} s")
+            slow.force_close()
+            return slow
+        except web.HTTPRequestEntityTooLarge:
+            return too_large
+        except ConnectionError:  # the client left mid-body: aiohttp drops the answer quietly
+            return _error(400, "the body was cut")
+        try:
+            body = json.loads(data)
+        except RecursionError:
+            return _error(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels")
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError
             return _error(400, "the body must be a JSON object")
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object")
+        if nested_deeper(body, MAX_JSON_DEPTH):
+            return _error(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels")
+        return body
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await self._read_body(request)
+        if isinstance(body, web.Response):
+            return body
+        # the client left: aiohttp cancels this handler when its connection closes (or a write to it
+        # fails first); the engine requests are closed on the way out, and nothing is recomputed
+        try:
+            return await self._pd(request, body)
+        except _ClientGone as gone:
+            self._aborted(request)
+            return gone.response  # aiohttp finds the connection closed and lets it go quietly
+        except asyncio.CancelledError:
+            self._aborted(request)
+            raise
+
+    def _aborted(self, request: web.Request) -> None:
+        self._count("aborted")
+        log.info("kvport proxy: the client disconnected; its request to %s is cancelled", request.path)
+
+    async def _pd(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         path = request.path
         decode, inbox = next(self._decode)  # chosen first: the prefill streams the KV to its inbox
         handed = await self._prefill_step(path, body, inbox)
@@ -184,14 +318,7 @@ class PDProxy:
     async def _prefill_step(self, path: str, body: dict[str, Any], inbox: str | None) -> dict[str, Any] | None:
         """Step 1: the prompt computed on a prefill engine (streaming its KV to ``inbox`` when given);
         its hand-off, or None when it failed."""
-        pre = dict(body)
-        ask: dict[str, Any] = {"do_remote_decode": True}
-        if inbox is not None:
-            ask[DEST_KEY] = inbox
-        pre.update(max_tokens=1, stream=False, kv_transfer_params=ask)
-        if "max_completion_tokens" in pre:
-            pre["max_completion_tokens"] = 1
-        pre.pop("stream_options", None)
+        pre = prefill_body(body, inbox)
         url = next(self._prefill) + path
         try:
             async with self.session.post(url, json=pre,
@@ -226,35 +353,65 @@ class PDProxy:
                 return web.Response(status=upstream.status, body=data, headers={"Content-Type": ctype})
             out = web.StreamResponse(status=upstream.status, headers={"Content-Type": ctype,
                                                                       "Cache-Control": "no-cache"})
+            chunks = upstream.content.iter_any()
             started = False
-            try:
-                async for chunk in upstream.content.iter_any():
+            while True:
+                try:  # the engine's side: an error here is the engine's
+                    chunk = await anext(chunks, None)
+                except (aiohttp.ClientError, TimeoutError) as exc:
                     if not started:
-                        await out.prepare(request)
-                        started = True
-                    await out.write(chunk)
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                if not started:
-                    raise _Failed(f"{url}: stream cut before its first byte: {exc}") from None
-                msg = json.dumps({"error": {"message": f"decode engine stream broke: {exc}", "type": "kvport_proxy"}})
-                await out.write(f"data: {msg}\n\n".encode())
-                self._count("failed")
-            if not started:
-                await out.prepare(request)
-            await out.write_eof()
+                        raise _Failed(f"{url}: stream cut before its first byte: {exc}") from None
+                    msg = json.dumps({"error": {"message": f"decode engine stream broke: {exc}",
+                                                "type": "kvport_proxy"}})
+                    await _send(out, request, f"data: {msg}\n\n".encode())
+                    self._count("failed")
+                    break
+                if chunk is None:
+                    break
+                await _send(out, request, chunk)  # the client's side: an error here is the client's
+                started = True
+            await _send(out, request, b"")
+            try:
+                await out.write_eof()
+            except ConnectionError:
+                raise _ClientGone(out) from None
             return out
+
+
+async def _send(out: web.StreamResponse, request: web.Request, data: bytes) -> None:
+    """Write ``data`` to the client (the head first); _ClientGone when its connection is closed."""
+    try:
+        if not out.prepared:
+            await out.prepare(request)
+        if data:
+            await out.write(data)
+    except ConnectionError:  # aiohttp's "cannot write to closing transport"
+        raise _ClientGone(out) from None
 
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "kvport_proxy", "code": status}}, status=status)
 
 
-async def serve_proxy(cfg: ProxyConfig, ready: asyncio.Event | None = None) -> None:
-    """Run the proxy until cancelled."""
-    runner = web.AppRunner(PDProxy(cfg).app(), access_log=None)
+async def start_proxy(proxy: PDProxy) -> web.AppRunner:
+    """Listen on ``proxy.cfg``'s host and port (``runner.addresses`` has the port); ``runner.cleanup()`` stops.
+
+    aiohttp's keep-alive timer is the head deadline: it closes a connection that has not sent a
+    whole request head ``header_timeout_s`` after its opening or its previous answer. Handlers are
+    cancelled when their client's connection closes (handler_cancellation), which closes the engine
+    requests they hold."""
+    cfg = proxy.cfg
+    runner = web.AppRunner(proxy.app(), access_log=None, handler_cancellation=True,
+                           keepalive_timeout=cfg.header_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
+    return runner
+
+
+async def serve_proxy(cfg: ProxyConfig, ready: asyncio.Event | None = None) -> None:
+    """Run the proxy until cancelled."""
+    runner = await start_proxy(PDProxy(cfg))
     log.info("kvport proxy on %s:%d: prefill %s, decode %s", cfg.host, cfg.port, list(cfg.prefill), list(cfg.decode))
     if ready is not None:
         ready.set()

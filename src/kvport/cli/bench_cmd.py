@@ -14,9 +14,14 @@ from kvport.errors import UserInputError
 
 
 def run_suite(name: str, opts: SuiteOptions) -> Report:
-    if name not in SUITES:
+    suite = SUITES.get(name)
+    if suite is None:
         raise UserInputError(f"unknown suite {name!r}: expected one of {', '.join(sorted(SUITES))}")
-    mod = importlib.import_module(SUITES[name])
+    unknown = sorted(set(opts.extra) - suite.keys)
+    if unknown:
+        valid = ", ".join(sorted(suite.keys)) if suite.keys else "none"
+        raise UserInputError(f"--set {', '.join(unknown)}: not an option of bench {name} (its keys: {valid})")
+    mod = importlib.import_module(suite.module)
     report: Report = mod.run(opts)
     return report
 

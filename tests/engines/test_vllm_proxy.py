@@ -170,6 +170,24 @@ def test_a_decode_engine_that_fails_before_answering_is_replaced_by_a_prefill_en
     run(go())
 
 
+def test_a_decode_stream_that_breaks_midway_ends_with_an_error_event() -> None:
+    async def one_chunk_then_die(engine: Engine, request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+        assert request.transport is not None
+        request.transport.abort()
+        return out
+
+    async def go() -> None:
+        async with deployment(one_chunk_then_die) as (p, url, pre, _), aiohttp.ClientSession() as s, \
+                s.post(url + "/v1/completions", json={"prompt": "hi", "stream": True}) as r:
+            text = (await r.read()).decode()
+            assert r.status == 200 and text.startswith('data: {"choices"') and "stream broke" in text
+            assert p.counts == {"failed": 1, "pd": 1} and len(pre.bodies) == 1
+    run(go())
+
+
 # ------------------------------------------------------------------ /health, /v1/models (defect 11)
 def test_health_reports_the_engines() -> None:
     async def go() -> None:

@@ -100,7 +100,7 @@ class Handlers:
         self.held = HeldTally(self.ledger, limits.max_held_per_client, limits.max_held_per_tenant, held_budget_bytes)
         self.admission = Admission(limits.max_connections, limits.max_pending, limits.max_per_peer,
                                    parse_networks(limits.per_peer_exempt))
-        self.hits: dict[bytes, int] = {}  # storage key -> GETs served (inspect's top prefixes)
+        self.hits = reports.HitCounts(store)  # GETs served per stored block (inspect's top prefixes)
         self._table: dict[type[Message], Handler] = {
             Put: self.put, Get: self.get, LookupReq: self.lookup, ContainsReq: self.contains, PinReq: self.pin,
             UnpinReq: self.unpin, LeaseReq: self.lease, ReleaseReq: self.release, DeleteReq: self.delete,
@@ -282,7 +282,7 @@ class Handlers:
         finally:
             with contextlib.suppress(LeaseError, UnknownBlockError):
                 self.ledger.release(reading)
-        self.hits[skey] = self.hits.get(skey, 0) + 1
+        self.hits.hit(skey)
 
     async def _send_value(self, conn: Connection, hdr: FrameHeader, skey: bytes, lease_id: int | None) -> None:
         meta = self.store.meta_of(skey)

@@ -11,8 +11,9 @@ prefix before it.
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
 from kvport.ledger import Lease, Owner, Pin
@@ -32,11 +33,49 @@ from kvport.protocol.server import (
 )
 from kvport.server.storage import Attrs
 from kvport.server.tenants import Tenant
+from kvport.store import TieredStore
 
 if TYPE_CHECKING:
     from kvport.server.handlers import Handlers
 
 TOP = 10
+_HITS_SLACK = 64  # prune the hit counts once they hold more than 2 x blocks stored + this many
+
+
+class HitCounts:
+    """GETs served per stored block (storage key), for STATS' top prefixes.
+
+    A block leaves (evicted, expired, deleted) without the handlers hearing of it, so the counts of
+    blocks that left are dropped lazily: a GET that finds more than ``2 x stored + 64`` counts
+    drops every count whose block is gone. What stays is at most the blocks stored, so the table
+    never holds more than ``2 x stored + 65`` counts however many blocks a busy server evicts, and
+    a prune costs O(1) per GET amortised (it drops more than half of what it reads: the index
+    heap's rule, :mod:`kvport.store.index`). Every stored block keeps its exact count; a block
+    stored again before a prune keeps the count it had (the same key is the same prefix).
+    """
+
+    def __init__(self, stored: TieredStore) -> None:
+        self._stored = stored
+        self._n: dict[bytes, int] = {}
+
+    def hit(self, key: bytes) -> None:
+        self._n[key] = self._n.get(key, 0) + 1
+        if len(self._n) > 2 * len(self._stored) + _HITS_SLACK:
+            self.prune()
+
+    def prune(self) -> None:
+        stored = self._stored
+        self._n = {k: n for k, n in self._n.items() if k in stored}
+
+    def top(self, among: Collection[bytes], n: int) -> list[tuple[bytes, int]]:
+        """The ``n`` most read blocks of ``among`` with their counts, most read first."""
+        return heapq.nlargest(n, ((k, c) for k, c in self._n.items() if k in among), key=lambda kc: kc[1])
+
+    def __len__(self) -> int:
+        return len(self._n)
+
+    def __getitem__(self, key: bytes) -> int:
+        return self._n.get(key, 0)
 
 
 def _tenant_of(h: Handlers, skey: bytes) -> str | None:
@@ -90,12 +129,10 @@ def stats(h: Handlers, tenant: Tenant, brief: bool, list_keys: bool) -> StatsAns
         t = h.tenants.get(name)
         b, n = store.usage(name)
         tenants.append(TenantUsage(name, b, n, None if t is None else t.quota_bytes, conns.get(name, 0)))
-    for k in [k for k in h.hits if k not in store]:
-        del h.hits[k]
+    h.hits.prune()
     mine_set = set(_mine(h, tenant))
-    top = sorted((k for k in h.hits if k in mine_set), key=lambda k: h.hits[k], reverse=True)[:TOP]
-    top_rows = [PrefixRow(_tenant_of(h, k) or "", _client_key(h, k), h.hits[k], store.size_of(k) or 0,
-                          (store.where(k) or ("",))[0]) for k in top]
+    top_rows = [PrefixRow(_tenant_of(h, k) or "", _client_key(h, k), n, store.size_of(k) or 0,
+                          (store.where(k) or ("",))[0]) for k, n in h.hits.top(mine_set, TOP)]
     pins = [_pin_row(p, now, _client_key(h, p.key)) for p in h.ledger.pins() if p.key in mine_set][:MAX_ROWS]
     leases = [_lease_row(ls, now) for ls in h.ledger.leases() if _visible(ls.holder, tenant)][:MAX_ROWS]
     if tenant.admin:

@@ -22,6 +22,9 @@ after a worker died), ``hung``, ``lost_committed`` (the class's rule: docs/fault
 ``results.wrong_outputs``, ``hung``, ``lost_committed``, ``failed``, ``classes_tested``.
 ``results.control``: the same chats with no fault. ``limits.raw_socket_gbps``: the loopback link
 measured in the same run (the decode worker's deadline scales the stream's bytes by it).
+
+``--set engine=vllm`` runs the vLLM rows instead (:mod:`kvport.bench.faults_vllm`): real ``vllm
+serve`` prefill and decode engines behind ``kvport proxy``, the same fields per class.
 """
 
 from __future__ import annotations
@@ -227,6 +230,13 @@ def _classes(opts: SuiteOptions) -> list[type[FaultClass]]:
 
 
 def run(opts: SuiteOptions) -> Report:
+    engine = opts.extra.get("engine", "transformers")
+    if engine == "vllm":  # the vLLM rows: real vllm serve engines behind kvport proxy
+        from kvport.bench import faults_vllm
+
+        return faults_vllm.run(opts)
+    if engine != "transformers":
+        raise ConfigError(f"--set engine={engine!r}: expected transformers (the demo's workers) or vllm")
     from kvport.config import Settings
     from kvport.refmodel import prepare
     from kvport.spec import DType, from_hf_config

@@ -47,11 +47,12 @@ class HitCounts:
 
     A block leaves (evicted, expired, deleted) without the handlers hearing of it, so the counts of
     blocks that left are dropped lazily: a GET that finds more than ``2 x stored + 64`` counts
-    drops every count whose block is gone. What stays is at most the blocks stored, so the table
-    never holds more than ``2 x stored + 65`` counts however many blocks a busy server evicts, and
-    a prune costs O(1) per GET amortised (it drops more than half of what it reads: the index
-    heap's rule, :mod:`kvport.store.index`). Every stored block keeps its exact count; a block
-    stored again before a prune keeps the count it had (the same key is the same prefix).
+    drops every count whose block is gone. What stays is at most the blocks stored, so after any
+    GET the table holds at most ``2 x stored + 64`` counts however many blocks a busy server has
+    evicted (the store's blocks are bounded by its capacity), and a prune costs O(1) per GET
+    amortised (it drops more than half of what it reads: the index heap's rule,
+    :mod:`kvport.store.index`). Every stored block keeps its exact count; a block stored again
+    before a prune keeps the count it had (the same key is the same prefix).
     """
 
     def __init__(self, stored: TieredStore) -> None:
@@ -73,9 +74,6 @@ class HitCounts:
 
     def __len__(self) -> int:
         return len(self._n)
-
-    def __getitem__(self, key: bytes) -> int:
-        return self._n.get(key, 0)
 
 
 def _tenant_of(h: Handlers, skey: bytes) -> str | None:

@@ -20,6 +20,7 @@ import json
 import os
 import random
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -111,8 +112,9 @@ class EngineServer:
         # kvport keeps in the engine-core and worker processes (kvport_vllm_pd_loads_total, ...)
         self.metrics_dir = log.parent / f"prometheus-{port}"
         own = {"KVPORT_PD_SECRET": deployment_secret()} if role is not None else {}
-        self.env = subprocess_env({**SERVE_ENV, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir), **own,
-                                   **(env or {})})
+        # what this engine's environment sets beyond the inherited one (the recipe prints these)
+        self.own_env = {**SERVE_ENV, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir), **own, **(env or {})}
+        self.env = subprocess_env(self.own_env)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> EngineServer:
@@ -316,3 +318,64 @@ class ProxyServer:
         if self.proc is not None:
             _end(self.proc, 10.0)
             self.proc = None
+
+
+RECIPE_SERVER = "127.0.0.1:7878"
+RECIPE_INBOX = "shm:kvport-inbox"
+
+
+def recipe(model: str = "MODEL_DIR") -> str:
+    """The shell commands of a one-host PD deployment: ``kvport serve``, a prefill and a decode ``vllm
+    serve`` and ``kvport proxy``, rendered from the argv and environment :class:`EngineServer`,
+    :class:`KVPortServer` and :class:`ProxyServer` start (the tests, the demo and ``kvport bench pd``
+    run these), so the documented path is the tested one. ``python -m kvport.engines.vllm.deploy
+    [MODEL_DIR]`` prints it; docs/vllm.md holds it, checked by a test."""
+    extra = {"kvport_server": RECIPE_SERVER, "kvport_disk_dir": "/dev/shm/kvport"}
+    log = Path("/nonexistent/engine.log")
+    pre = EngineServer(Path(model), 8100, role="kv_producer", log=log,
+                       extra={**extra, "kvport_pd_destinations": [RECIPE_INBOX]},
+                       env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
+    dec = EngineServer(Path(model), 8200, role="kv_consumer", log=log, extra={**extra, "kvport_pd_inbox": RECIPE_INBOX},
+                       env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+    srv = KVPortServer(log, ("--capacity", "8GiB"))
+    proxy = ProxyServer([pre.url], [dec.url], log, port=8000, decode_inbox=[RECIPE_INBOX])
+    shared = {k: v for k, v in pre.own_env.items() if dec.own_env.get(k) == v and k not in _PER_ENGINE}
+
+    def cmd(argv: Sequence[str], module: str, name: str) -> list[str]:
+        assert list(argv[1:3]) == ["-m", module]
+        return [*name.split(), *argv[3:]]
+
+    def engine(e: EngineServer, what: str) -> str:
+        env = [f"{k}={shlex.quote(v)}" for k, v in e.own_env.items() if k not in shared and k not in _PER_ENGINE]
+        argv = [shlex.quote(a) for a in cmd(e.argv, "vllm.entrypoints.openai.api_server",
+                                             "python -m vllm.entrypoints.openai.api_server")]
+        head, rest = argv[:3], argv[3:]
+        lines, line = [], ["PROMETHEUS_MULTIPROC_DIR=$(mktemp -d)", *env, *head]
+        for a in rest:
+            if a.startswith("--") and len(" ".join(line)) > 60:
+                lines.append(" ".join(line))
+                line = ["   "]
+            line.append(a)
+        lines.append(" ".join(line) + " &")
+        return f"# {what}\n" + " \\\n".join(lines)
+
+    serve = cmd(srv.argv, "kvport.cli.serve_cmd", "kvport serve")
+    serve[serve.index("--listen") + 1] = RECIPE_SERVER
+    return "\n".join([
+        "# the deployment's hand-off secret: every decode engine's inbox link authenticates with it",
+        'export KVPORT_PD_SECRET="$(python -c \'import secrets; print(secrets.token_hex(32))\')"',
+        "export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in shared.items() if k != "KVPORT_PD_SECRET"),
+        "# the shared tier",
+        " ".join(serve) + " &",
+        engine(pre, "prefill engine (kv_producer): streams each hand-off to the inboxes it is given, worker on core 0"),
+        engine(dec, "decode engine (kv_consumer): the inbox hand-offs stream into, worker on core 1"),
+        "# the OpenAI API in front: any OpenAI client, base_url http://127.0.0.1:8000/v1",
+        " ".join(cmd(proxy.argv, "kvport.cli.proxy_cmd", "kvport proxy")),
+    ]) + "\n"
+
+
+_PER_ENGINE = ("PROMETHEUS_MULTIPROC_DIR", "KVPORT_PD_SECRET")
+
+
+if __name__ == "__main__":
+    sys.stdout.write(recipe(*sys.argv[1:2]))

@@ -32,6 +32,7 @@ from kvport.deadline import DeadlinePolicy
 from kvport.errors import ConfigError
 
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MIN_TOKEN_CHARS = 8  # a token that guards a listener beyond loopback (kvport serve, tenants, kvport proxy)
 
 
 @dataclass(frozen=True, slots=True)

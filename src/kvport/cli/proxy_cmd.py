@@ -13,10 +13,9 @@ import click
 from kvport.cli._params import as_seconds
 from kvport.cli._run import run_click, setup_logging
 from kvport.cli.serve_cmd import parse_listen
-from kvport.config import Settings
+from kvport.config import MIN_TOKEN_CHARS, Settings
 from kvport.errors import ConfigError, UserInputError
 from kvport.protocol.net import is_loopback
-from kvport.server.app import MIN_TOKEN_CHARS
 
 
 @click.command(name="proxy")

@@ -35,6 +35,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvport.config import MIN_TOKEN_CHARS
 from kvport.errors import ConfigError, PeerError, TierError
 from kvport.protocol.aio import AsyncStream, BulkIO, SockStream, TlsStream
 from kvport.protocol.net import is_loopback, tune
@@ -51,7 +52,6 @@ from kvport.store import TieredStore
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
-MIN_TOKEN_CHARS = 8  # as a tenants file requires of every token
 DEFAULT_IO_THREADS = 4  # bench server on 2 cores: 1 -> 2.3, 2 -> 2.5-2.6, 4 -> 2.5-2.7 GB/s
 
 

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvport.config import MIN_TOKEN_CHARS
 from kvport.errors import ConfigError, UnitError
 from kvport.units import parse_size
 
@@ -144,7 +145,7 @@ def load_tenants(path: Path | None, default_token: str | None = None) -> list[Te
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise ConfigError(f"tenants file {path}: every tenant needs a string 'name'")
         token = item.get("token")
-        if token is not None and (not isinstance(token, str) or len(token) < 8):
+        if token is not None and (not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS):
             raise ConfigError(f"tenant {item['name']!r}: token must be a string of at least 8 characters")
         quota = item.get("quota")
         try:

@@ -52,6 +52,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvport import metrics
+from kvport.config import MIN_TOKEN_CHARS
 from kvport.errors import ConfigError
 from kvport.extras import require
 from kvport.protocol.net import is_loopback
@@ -111,9 +112,9 @@ class ProxyConfig:
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
-        if not is_loopback(self.host) and not self.auth_token:
-            raise ConfigError(f"the proxy binds {self.host}, beyond this machine: it needs an auth token "
-                              "(--auth-token or KVPORT_AUTH_TOKEN)")
+        if not is_loopback(self.host) and (not self.auth_token or len(self.auth_token) < MIN_TOKEN_CHARS):
+            raise ConfigError(f"the proxy binds {self.host}, beyond this machine: it needs an auth token of at least "
+                              f"{MIN_TOKEN_CHARS} characters (--auth-token or KVPORT_AUTH_TOKEN)")
 
 
 class _Failed(Exception):

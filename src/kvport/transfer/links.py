@@ -92,6 +92,9 @@ class Pending:
                 t = raw
             t.settimeout(ln.idle_timeout_s)
             return t
+        except OSError as exc:  # the socket closed under us (the listener is shutting down)
+            self.close()
+            raise PeerError(f"{ln.kind}: connection from {self.peer} failed: {exc}") from exc
         except BaseException:
             self.close()
             raise

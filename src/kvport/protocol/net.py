@@ -104,6 +104,8 @@ class SocketTransport:
             raise PeerError(f"{self.name}: send timed out (peer stopped reading)") from exc
         except OSError as exc:
             raise PeerError(f"{self.name}: send failed: {exc}") from exc
+        except ValueError as exc:  # the socket was closed meanwhile (its fd is -1): the link is gone
+            raise PeerError(f"{self.name}: send on a closed connection") from exc
 
     def _send_by(self, deadline: Deadline, views: list[memoryview]) -> int:
         """One non-blocking ``sendmsg`` once the socket is writable, waiting at most until ``deadline``
@@ -137,6 +139,8 @@ class SocketTransport:
             raise PeerError(f"{self.name}: receive timed out (peer stopped sending)") from exc
         except OSError as exc:
             raise PeerError(f"{self.name}: receive failed: {exc}") from exc
+        except ValueError as exc:  # the socket was closed meanwhile (its fd is -1)
+            raise PeerError(f"{self.name}: receive on a closed connection") from exc
 
     def readable(self, timeout: float) -> bool:
         if self._closed:

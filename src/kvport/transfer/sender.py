@@ -452,7 +452,7 @@ class Sender:
     def _send_abort(self, h: Outgoing, exc: KVPortError) -> None:
         # a small frame, bounded like the transfer (a second past its deadline at most); when the
         # connection is gone or stuck, the receiver aborts on EOF or on its own deadline
-        with contextlib.suppress(TransferError):
+        with contextlib.suppress(KVPortError):  # the link may be gone already: the abort is best effort
             self._send(TransferAbort(h.tid, exc), deadline=None if h.deadline is None else Deadline.after(1.0))
 
     def send(self, meta: TransferMeta, layer_blocks: Callable[[int], Sequence[Buffer]],

@@ -5,6 +5,8 @@ below this package. Modules, bottom to top::
 
     tcp | shm | inproc | striped   transports (tcp: listener / connect over protocol.net sockets,
                                    the one handshake beyond loopback); ratelimit: TokenBucket, RateLimited
+    links        authenticated links named by an address (HOST:PORT or shm:NAME): LinkListener, dial;
+                 every connection authenticated, the handshake bound to the address dialled
     meta         check_compatible (TransferMeta, the TRANSFER_BEGIN map, is protocol.transfer's)
     credits      Backpressure, CreditWindow, CreditPool, Admitted (Rejected is protocol.rejects')
     destination  Destination protocol: BlockTable, LayerMajor, HostTier

@@ -258,6 +258,14 @@ def test_a_streamed_hand_off_lands_in_the_decode_engine_and_only_its_own_stream_
     assert _same(_completion(pd, p, params), pd.reference({**body, "prompt": p}, "streamed"))
     assert _external(pd.decode.url) - ext == n(p)
     assert _metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="taken") >= 1
+    # the same prompt again (repeated prefixes): the decode engine's own cache holds it, so nothing takes the
+    # new stream; it is released at once, never left to lapse holding the inbox's room (issue 25, defect 12)
+    discarded = _metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="discarded")
+    lapsed = _metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="lapsed")
+    again = _prefill(pd, p, pd.inbox)
+    assert _same(_completion(pd, p, again), pd.reference({**body, "prompt": p}, "streamed"))
+    assert _metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="discarded") == discarded + 1
+    assert _metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="lapsed") == lapsed
     # the decode engine kept the streamed blocks in the shared tier: any engine's next prefill finds them
     spec = engine_spec(str(model_dir), dtype="float32", block_size=BLOCK)
     keys = chain_keys(p, KeyContext(block_size=BLOCK, spec_fingerprint=spec.fingerprint))[: n(p) // BLOCK]

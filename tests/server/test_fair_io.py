@@ -1,4 +1,5 @@
-"""Against a real server process: readers that stop reading hold no bulk I/O thread, and are cut."""
+"""Against a real server process: readers that stop reading hold no bulk I/O thread, and are cut;
+a client that pipelines its requests does not hold the event loop."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import time
 import numpy as np
 
 from kvport.protocol.frame import HEADER_BYTES, MsgType, decode_header, encode_frame, frame_bytes
-from kvport.protocol.server import Get
+from kvport.protocol.server import Get, Ping
 
 from .conftest import MiB, ServerProc, base_args
-from .raw import authed_socket, closed_within, recv_exact
+from .raw import authed_socket, closed_within, recv_exact, recv_frame
 
 STALLED = 4  # twice the server's I/O threads below
 
@@ -109,3 +110,36 @@ def test_a_send_without_progress_is_cut_at_the_write_timeout(server_factory) -> 
     reader.join(120)
     assert got == [32 * MiB]  # never cut: it kept taking bytes
     slow.close()
+
+
+def test_a_pipelining_client_does_not_hold_the_server(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A client queues 2,000 GETs in one write and reads the answers as they come; another client's
+    PING, sent right after, is answered before the first client has half of its answers (the
+    connections take turns, one request each; nothing here is timed)."""
+    srv = server_factory(*base_args("400MiB"))
+    c = srv.client(pool_size=1)
+    key = b"p" * 16
+    c.put(key, np.full(1024, 3, dtype=np.uint8))
+    n = 2000
+    piped, other = authed_socket(srv.port), authed_socket(srv.port)
+    answered: list[int] = []
+
+    def read_answers() -> None:
+        for _ in range(n):
+            hdr = decode_header(recv_exact(piped, HEADER_BYTES))
+            recv_exact(piped, hdr.meta_len + hdr.wire_payload_bytes)
+            answered.append(1)
+
+    reader = threading.Thread(target=read_answers)
+    reader.start()
+    frame = frame_bytes(encode_frame(MsgType.GET, Get(key).to_meta(), corr_id=1))
+    piped.sendall(frame * n)
+    other.sendall(frame_bytes(encode_frame(MsgType.PING, Ping().to_meta(), corr_id=2)))
+    mt, _ = recv_frame(other)
+    seen = len(answered)
+    reader.join(60)
+    assert mt is MsgType.PING and len(answered) == n
+    assert seen < n // 2, f"the PING waited for {seen} of the {n} pipelined GETs"
+    for s in (piped, other):
+        s.close()
+    c.close()

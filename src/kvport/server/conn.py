@@ -17,6 +17,11 @@ an answer (the stream's write deadline). Before AUTH_OK the caps are tiny (1 KiB
 payload), so an unauthenticated peer cannot make the server allocate anything; how many may be in
 HANDSHAKE at once is :mod:`kvport.server.admission`'s.
 
+Connections take turns, one request each: a read or a send that the kernel's buffers satisfy at
+once never suspends, so without the yield after every request a client that pipelines frames
+would hold the event loop until its pipeline ran dry, and every other connection, the accept loop
+and the tick (lease and pin expiry) would wait for it.
+
 The handshake is the one of :mod:`kvport.protocol.handshake`: the client names its tenant (the
 principal whose token signs) and its instance; ``tenant/instance`` is the holder of the leases and
 pins it takes (they belong to the client, not to this connection, and lapse at their TTL). What
@@ -99,6 +104,7 @@ class Connection:
                     self.h.metrics.timeouts.labels("frame").inc()
                     break
                 self.move(ConnState.READY)
+                await asyncio.sleep(0)  # turn by turn: see the module docstring
         except TimeoutError:
             self.h.metrics.timeouts.labels("handshake").inc()
         except AuthError as exc:

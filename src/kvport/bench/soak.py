@@ -1,7 +1,11 @@
 """``kvport bench soak``: ownership under faults -- a server and client processes for N minutes,
-clients SIGKILLed at random and restarted, the server restarted once; nothing may leak or be lost.
+clients SIGKILLed at random and restarted, the server restarted once; nothing may leak or be lost --
+then the server's memory under read hits and a lease flood (:mod:`kvport.bench.soak_memory`).
+``--set phases=ownership,memory`` (the default) runs both, in that order, each on its own server;
+``--set phases=memory`` only the memory phases (``hits``: GETs, 1,000,000, ``--quick`` 20,000;
+``hold_s``: the flood's records held, 10 s, ``--quick`` 2).
 
-::
+The ownership phase::
 
     kvport serve (host + disk) <---- writer, reader, pinner, sender -> receiver (client processes,
                                       :mod:`kvport.bench.soak_client`); every ~``kill_every_s`` one of
@@ -10,7 +14,7 @@ clients SIGKILLed at random and restarted, the server restarted once; nothing ma
                                       drain, spill to disk) and started again on the same folder
     end: clients SIGKILLed, wait for the longest TTL + one reaper tick, then ask the server
 
-Fields (``results``):
+Fields (``results``; the ownership phase's):
 
 * ``leaked_pins`` / ``leaked_leases``: pins and leases still held past their TTL (``inspect --leaks``)
 * ``blocks_without_owner``: blocks stored without a ledger record, plus ledger records without bytes
@@ -26,6 +30,8 @@ Fields (``results``):
   SIGTERM and those that found no room, blocks recovered from disk, blocks dropped at the start
   because their parent was gone
 
+``results.memory``: the memory phases' (their module's docstring).
+
 ``limits.raw_socket_gbps`` (a loopback socket measured in the same run) is recorded for context:
 the soak is about correctness under faults, not speed.
 """
@@ -39,24 +45,24 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from kvport.bench.harness import Report, SuiteOptions, conditions, finish, ratio
 from kvport.bench.limits import raw_socket_gbps
+from kvport.bench.soak_memory import run_memory
+from kvport.bench.soak_server import SoakServer
 from kvport.client import ClientConfig, RemoteTier
 from kvport.config import subprocess_env
-from kvport.errors import KVPortError, ServerError
+from kvport.errors import ConfigError, KVPortError
 from kvport.lifetime import Lifetime
 
 MiB = 1 << 20
 ROLES = ("writer", "reader", "pinner", "sender", "receiver")
 HOLD_TTL_S = 8.0  # soak_client.MAX_TTL_S: every lease and pin lapses within this
+PHASES = ("ownership", "memory")
 
 
 @dataclass(slots=True)
@@ -65,57 +71,6 @@ class _Client:
     proc: subprocess.Popen[bytes] | None = None
     incarnation: int = 0
     stats_files: list[Path] = field(default_factory=list)
-
-
-class _Server:
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.args = args
-        self.log = log
-        self.proc: subprocess.Popen[str] | None = None
-        self.port = 0
-        self.peak_rss = 0
-        self._stop = threading.Event()
-        self._sampler: threading.Thread | None = None
-
-    def start(self) -> int:
-        env = subprocess_env({"KVPORT_LOG_LEVEL": "INFO"})  # the spill and recovery lines (:func:`_restart_log`)
-        with self.log.open("a") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvport.cli.serve_cmd", *self.args],
-                                         stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-        line = self.proc.stdout.readline() if self.proc.stdout else ""
-        if not line:
-            raise ServerError(f"soak server did not start (rc={self.proc.wait(10)})")
-        self.port = int(json.loads(line)["port"])
-        self._stop.clear()
-        self._sampler = threading.Thread(target=self._sample, args=(self.proc.pid,), daemon=True)
-        self._sampler.start()
-        return self.port
-
-    def _sample(self, pid: int) -> None:
-        try:
-            p = psutil.Process(pid)
-            while not self._stop.wait(0.05):
-                self.peak_rss = max(self.peak_rss, int(p.memory_info().rss))
-        except psutil.Error:
-            return
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            rc = self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            rc = self.proc.wait(10)
-        self._stop.set()
-        if self._sampler is not None:
-            self._sampler.join(2)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self.proc = None
-        return rc
 
 
 def _spawn(c: _Client, port: int, folder: Path, seed: int) -> None:
@@ -166,23 +121,52 @@ def _disk_prefix_blocks(pool: RemoteTier) -> list[bytes]:
     return out
 
 
+def _phases(opts: SuiteOptions) -> tuple[str, ...]:
+    raw = str(opts.extra.get("phases", ",".join(PHASES)))
+    asked = tuple(p.strip() for p in raw.split(",") if p.strip())
+    if not asked or any(p not in PHASES for p in asked):
+        raise ConfigError(f"--set phases={raw!r}: expected a comma-separated list of {', '.join(PHASES)}")
+    return tuple(p for p in PHASES if p in asked)
+
+
+def _serve_args(folder: Path, capacity: int, disk_capacity: int) -> list[str]:
+    return ["--listen", "127.0.0.1:0", "--capacity", str(capacity), "--disk", str(folder / "disk"),
+            "--disk-capacity", str(disk_capacity), "--max-value", "8MiB", "--inflight", "64MiB"]
+
+
 def run(opts: SuiteOptions) -> Report:
+    phases = _phases(opts)
     minutes = opts.number("minutes", 1.0 if opts.quick else 10.0, lo=0.05)
     kill_every = opts.number("kill_every_s", 30.0, lo=1.0)
     capacity = opts.number("capacity_bytes", 384 * MiB, lo=64 * MiB, integer=True)
     disk_capacity = opts.number("disk_capacity_bytes", 2048 * MiB, lo=64 * MiB, integer=True)
     seed = opts.number("seed", 1, integer=True)
-    rng = random.Random(seed)
-    cond = conditions(minutes=minutes, kill_every_s=kill_every, capacity_bytes=capacity,
+    hits = opts.number("hits", 20_000 if opts.quick else 1_000_000, lo=1, integer=True)
+    hold_s = opts.number("hold_s", 2.0 if opts.quick else 10.0, lo=0.0)
+    cond = conditions(phases=list(phases), minutes=minutes, kill_every_s=kill_every, capacity_bytes=capacity,
                       disk_capacity_bytes=disk_capacity, clients=list(ROLES), hold_ttl_s=HOLD_TTL_S,
                       link="tcp 127.0.0.1", server="kvport serve (host + disk), io threads 4")
+    if "memory" in phases:
+        cond.update(memory_hits=hits, memory_hold_s=hold_s)
     limits = {"raw_socket_gbps": raw_socket_gbps(32 * MiB, trials=2)}
+    results: dict[str, Any] = {}
+    if "ownership" in phases:
+        results.update(_ownership(cond, capacity, disk_capacity, minutes, kill_every, random.Random(seed)))
+    if "memory" in phases:
+        with tempfile.TemporaryDirectory(prefix="kvport-soak-memory-") as tmp:
+            folder = Path(tmp)
+            results["memory"] = run_memory(_serve_args(folder, capacity, disk_capacity), folder / "server.log",
+                                           capacity, hits, hold_s)
+    return finish(Report("soak", cond, limits, results))
+
+
+def _ownership(cond: dict[str, Any], capacity: int, disk_capacity: int, minutes: float, kill_every: float,
+               rng: random.Random) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvport-soak-") as tmp:
         folder = Path(tmp)
         (folder / "epoch").write_text("1")
-        args = ["--listen", "127.0.0.1:0", "--capacity", str(capacity), "--disk", str(folder / "disk"),
-                "--disk-capacity", str(disk_capacity), "--max-value", "8MiB", "--inflight", "64MiB"]
-        srv = _Server(args, folder / "server.log")
+        args = _serve_args(folder, capacity, disk_capacity)
+        srv = SoakServer(args, folder / "server.log")
         port = srv.start()
         srv.args = [*args[:1], f"127.0.0.1:{port}", *args[2:]]  # a restart listens on the same port
         clients = [_Client(r) for r in ROLES]
@@ -282,4 +266,4 @@ def run(opts: SuiteOptions) -> Report:
         "elapsed_s": round(elapsed, 1),
         "restart": restart_log,
     }
-    return finish(Report("soak", cond, limits, results))
+    return results

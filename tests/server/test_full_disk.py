@@ -1,6 +1,7 @@
 """Against a real server process whose ``--disk`` is a small filesystem that fills up (a tmpfs of
-8 MiB; the disk tier believes it has 64 MiB): demotion and shutdown under ENOSPC, and a restart
-on the full disk. Needs root to mount; skipped (with the reason) where mounting is not permitted.
+8 MiB, or of 32 MiB where values are demoted into it; the disk tier is told 64 MiB): demotion,
+refused writes and shutdown under ENOSPC, and a restart on the full disk. Needs root to mount;
+skipped (with the reason) where mounting is not permitted.
 
 What "lost" means for a cache: a value may leave, but only as the least recently used leaf of the
 store. So, with values written in order and never read in between (the write order is the LRU
@@ -23,10 +24,12 @@ import pytest
 
 from kvport.client.remote import RemoteTier
 from kvport.errors import TierFullError
+from kvport.protocol.rejects import Rejected, RejectReason
 
 from .conftest import MiB, base_args
 
 FS_BYTES = 8 * MiB
+SPILL_FS_BYTES = 32 * MiB  # more than twice the host pool of a 90 MiB server
 
 
 @contextlib.contextmanager
@@ -91,72 +94,94 @@ def fill_up(fs: Path) -> None:
         os.close(fd)
 
 
-def test_demotion_into_a_full_disk_loses_no_value_out_of_lru_order(server_factory, small_fs: Path) -> None:  # type: ignore[no-untyped-def]
-    """Values written in order, six host pools' worth, onto a disk of 8 MiB: first the disk fills
-    with values demoted from host, then another file keeps taking every byte left (the journal
-    too must grow into a full filesystem). Throughout, the values
-    still held are the newest ones (the disk makes room for a demotion by dropping its own least
-    recently used leaves, ENOSPC or not), pinned values and the parents of a pinned block stay, no
-    child outlives its parent, and host values read back exactly. A value deleted while the disk
-    is full stays deleted; the server restarts on the full disk and serves every value it had on
-    disk."""
-    disk = small_fs / "disk"
-    srv = server_factory(*server_args(disk, "90MiB"))
-    host_pages = srv.info["host_capacity"] // MiB
-    c = srv.client(pool_size=1, backpressure_timeout_s=2.0)
-    pinned = [key_of("pin", i) for i in range(3)]
-    for k in pinned:
-        c.put_value(k, value_of(k), pin=True)
-    chain = [key_of("chain", i) for i in range(3)]  # its tail pinned: the parents never leave
-    loose = [key_of("loose", i) for i in range(3)]  # not pinned: leaves go first, never a parent first
-    for ks, pin_tail in ((chain, True), (loose, False)):
-        for i, k in enumerate(ks):
-            c.put_value(k, value_of(k), parent=ks[i - 1] if i else None, pin=pin_tail and i == len(ks) - 1)
-    plain = [key_of("v", i) for i in range(6 * host_pages)]  # after the fill-up: journal records of more than a page
-    acked: list[bytes] = []
-    pinned_on_disk: list[bytes] = []
-    for i, k in enumerate(plain):
-        out = c.put_value(k, value_of(k))
-        if not hasattr(out, "reason"):  # Stored (a Rejected is an answer too, but not an acknowledgement)
-            acked.append(k)
-        if i == 2 * host_pages:  # some blocks are on disk by now: pin two of them there
-            where = tiers_of(c, acked)
-            pinned_on_disk = [k for k in acked if where.get(k) == ("disk",)][:2]
-            assert len(pinned_on_disk) == 2, f"nothing reached the disk: {where}"
-            assert c.pin(pinned_on_disk) == 2
-        if i >= 2 * host_pages:  # from now on the other file takes every byte the store frees
-            fill_up(small_fs)
-    assert len(acked) >= 5 * host_pages  # the store kept taking writes with its disk full
-    where = tiers_of(c, pinned + chain + loose + acked)
-    for k in pinned + pinned_on_disk + chain:
-        assert k in where, f"{k!r} left the store"
-    kept = [k in where for k in loose]
-    assert kept == sorted(kept, reverse=True), f"a child outlived its parent: {kept}"
-    held = [k for k in acked if k in where and k not in pinned_on_disk]
-    assert held == acked[len(acked) - len(held):], "a value left while an older one was kept"
-    assert len(held) >= host_pages // 2
-    oldest_on_host = next(i for i, k in enumerate(acked) if where.get(k) == ("host",))
-    assert where.get(acked[oldest_on_host - 1]) == ("disk",), "the full disk stopped taking the host's victims"
-    for k in pinned + chain + loose + acked:  # host values read back exactly (a disk read would promote it
-        if where.get(k) == ("host",):          # and evict others: disk values are read after the restart)
-            assert reads_back(c, k), f"{k!r} reads back wrong"
-    fill_up(small_fs)
-    on_disk = [k for k in pinned + chain + loose + acked if "disk" in where.get(k, ())]
-    gone = next(k for k in on_disk if k in acked and k not in pinned_on_disk)
-    assert c.delete(gone)  # with the disk full: the delete is recorded all the same
-    on_disk.remove(gone)
-    c.close()
-    assert srv.stop(signal.SIGTERM) == 0
-    fill_up(small_fs)  # whatever the shutdown's spill left free
-    srv2 = server_factory(*server_args(disk, "90MiB"))
-    c = srv2.client(pool_size=1)
-    after = tiers_of(c, pinned + chain + loose + acked)
-    missing = [k for k in on_disk if k not in after]
-    assert not missing, f"{len(missing)} of {len(on_disk)} values on disk before the restart are gone"
-    assert gone not in after
-    for k in on_disk:
-        assert reads_back(c, k)
-    c.close()
+def test_demotion_into_a_full_disk_loses_no_value_out_of_lru_order(server_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Values written in order onto a disk of 32 MiB, more than twice the host pool: first the
+    disk fills with values demoted from host and drops its least recently used; then another file
+    keeps taking every byte the store frees. While the disk's own victims can make room for the
+    host pool (what a graceful shutdown moves down) the PUTs go on; once they cannot, every PUT is
+    refused (``full``), never acknowledged and then lost. Throughout, the values still held are the
+    newest ones, pinned values and the parents of a pinned block stay, no child outlives its parent
+    and host values read back exactly; a value deleted while the disk is full stays deleted. Once
+    the other file has given back a host pool's worth, the PUTs are acknowledged again (the host's
+    least recently used leave for them), and after SIGTERM and a restart every value still held,
+    on host or on disk, is served."""
+    with tmpfs(tmp_path / "fs", SPILL_FS_BYTES) as fs:
+        disk = fs / "disk"
+        srv = server_factory(*server_args(disk, "90MiB"))
+        host_pages, disk_pages = srv.info["host_capacity"] // MiB, srv.info["disk_capacity"] // MiB
+        assert 2 * host_pages < disk_pages, "the disk must hold the host pool and the values demoted from it"
+        c = srv.client(pool_size=1, backpressure_timeout_s=0.0)  # a refusal comes back at once
+        pinned = [key_of("pin", i) for i in range(3)]
+        for k in pinned:
+            c.put_value(k, value_of(k), pin=True)
+        chain = [key_of("chain", i) for i in range(3)]  # its tail pinned: the parents never leave
+        loose = [key_of("loose", i) for i in range(3)]  # not pinned: leaves go first, never a parent first
+        for ks, pin_tail in ((chain, True), (loose, False)):
+            for i, k in enumerate(ks):
+                c.put_value(k, value_of(k), parent=ks[i - 1] if i else None, pin=pin_tail and i == len(ks) - 1)
+        plain = [key_of("v", i) for i in range(disk_pages + 4 * host_pages)]
+        full_from = disk_pages + host_pages  # the disk has filled by then: from here the other file takes the rest
+        acked: list[bytes] = []
+        refused: list[bytes] = []
+        pinned_on_disk: list[bytes] = []
+        for i, k in enumerate(plain):
+            out = c.put_value(k, value_of(k))
+            if isinstance(out, Rejected):
+                assert out.reason is RejectReason.FULL, out
+                refused.append(k)
+                if len(refused) == 3:
+                    break
+            else:
+                assert not refused, f"{k!r} acknowledged after a refusal, with the filesystem still full"
+                acked.append(k)
+            if i == full_from:
+                where = tiers_of(c, acked)
+                held = [k for k in acked if k in where]
+                assert held == acked[len(acked) - len(held):], "a value left while an older one was kept"
+                assert len(held) < len(acked), "the disk never filled up"
+                assert [where[k] for k in held] == sorted((where[k] for k in held), key=lambda t: t != ("disk",)), \
+                    f"a value on host is older than one demoted to disk: {[where[k] for k in held]}"
+                pinned_on_disk = [k for k in held if where[k] == ("disk",)][:3]
+                assert len(pinned_on_disk) == 3, f"too little reached the disk: {where}"
+                assert c.pin(pinned_on_disk) == 3
+            if i >= full_from:
+                fill_up(fs)
+        assert len(refused) == 3, "the store kept acknowledging writes it could not keep through a shutdown"
+        assert len(acked) > full_from + 1, "no write was acknowledged after the disk's own victims made room"
+        where = tiers_of(c, pinned + chain + loose + acked)
+        for k in pinned + pinned_on_disk + chain:
+            assert k in where, f"{k!r} left the store"
+        kept = [k in where for k in loose]
+        assert kept == sorted(kept, reverse=True), f"a child outlived its parent: {kept}"
+        held = [k for k in acked if k in where and k not in pinned_on_disk]
+        assert held == acked[len(acked) - len(held):], "a value left while an older one was kept"
+        assert held, "every unpinned value left"
+        assert not set(tiers_of(c, refused)), "a refused value is held"
+        for k in pinned + chain + loose + acked:  # host values read back exactly (a disk read would promote it
+            if where.get(k) == ("host",):          # and evict others: disk values are read after the restart)
+                assert reads_back(c, k), f"{k!r} reads back wrong"
+        gone = pinned_on_disk.pop()
+        assert c.unpin([gone]) == 1 and c.delete(gone)  # with the disk full: the delete is recorded all the same
+        with open(fs / "filler", "r+b") as f:  # the other file gives back a host pool's worth
+            f.truncate(os.fstat(f.fileno()).st_size - host_pages * MiB)
+        late = [key_of("late", i) for i in range(2)]
+        for k in late:
+            assert not isinstance(c.put_value(k, value_of(k)), Rejected), "refused with room again"
+        where = tiers_of(c, pinned + chain + loose + acked + late)
+        assert all(k in where for k in late)
+        held_after = [k for k in acked if k in where and k not in pinned_on_disk]
+        assert held_after == held[len(held) - len(held_after):], "a value left while an older one was kept"
+        c.close()
+        assert srv.stop(signal.SIGTERM) == 0
+        srv2 = server_factory(*server_args(disk, "90MiB"))
+        c = srv2.client(pool_size=1)
+        after = tiers_of(c, pinned + chain + loose + acked + late + refused + [gone])
+        missing = [k for k in where if k not in after]
+        assert not missing, f"{len(missing)} of {len(where)} values held before the restart are gone"
+        assert sorted(after) == sorted(where)
+        for k in where:
+            assert reads_back(c, k), f"{k!r} reads back wrong after the restart"
+        c.close()
 
 
 def test_shutdown_spill_goes_on_after_a_block_that_does_not_fit(server_factory, small_fs: Path) -> None:  # type: ignore[no-untyped-def]

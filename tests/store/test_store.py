@@ -352,3 +352,34 @@ def test_contains_many_finds_what_another_process_wrote_to_a_shared_folder(tmp_p
     fresh = TieredStore([DiskTier(tmp_path, 1 << 20, name="disk", shared=True)])
     assert fresh.contains_many(keys) == [True] + [False] * 5
     assert reader.contains_many([]) == []
+
+
+class Roomy(HostTier):
+    """A lower tier on a "filesystem" of which another process leaves it ``room`` bytes in all."""
+
+    room = 1 << 20
+
+    def shortfall(self, nbytes: int, values: int) -> int:
+        return max(0, nbytes - (self.room - self.used_bytes))
+
+
+def test_keep_spillable_evicts_the_disk_first_then_host_leaves_and_a_refused_write_costs_none() -> None:
+    """keep_spillable: a write to host is taken only while the disk could take every host block with
+    it. Room comes from the disk's own victims first, then from host leaves in LRU order -- but
+    only when their leaving makes it: a write refused anyway (the pinned block and it would not fit
+    with every host leaf gone) drops none of them."""
+    host, disk = HostTier(4 * 64, 64, name="host"), Roomy(16 * 64, 64, name="disk")
+    s = TieredStore([host, disk], tier_policies={"host": EXACT}, keep_spillable=("host", "disk"))
+    s.put(k(9), val(9))
+    assert s.demote(k(9), "host") == "disk"
+    s.put(k(0), val(0))
+    s.ledger.pin(k(0), Owner.engine("e"))
+    s.put(k(1), val(1))
+    s.put(k(2), val(2))
+    disk.room = disk.used_bytes + 32  # free 32 (96 once k9 left): k0 and k3 need 128 even without k1, k2
+    with pytest.raises(TierFullError):
+        s.put(k(3), val(3))
+    assert [s.where(k(i)) for i in (9, 0, 1, 2, 3)] == [(), ("host",), ("host",), ("host",), ()]
+    disk.room = 3 * 64  # free 192: k0, k2 and k3
+    s.put(k(3), val(3))
+    assert [s.where(k(i)) for i in (0, 1, 2, 3)] == [("host",), (), ("host",), ("host",)]

@@ -20,7 +20,8 @@ Data flow::
     keep_spillable  --> (upper, lower): a block is written to either only while the lower tier can take,
                         for real (Tier.shortfall: capacity, free space of its filesystem, its journal),
                         every block of the upper one and this one: what a graceful shutdown spills
-                        down; else the lower tier's own victims leave, else TierFullError
+                        down; else the lower tier's own victims leave, then the upper one's leaves
+                        (only where that makes the room), else TierFullError
 
 Invariants: ``_meta`` holds exactly the blocks present in at least one tier index; every block in
 ``_meta`` is registered in the ledger (the store registers what it puts, owned by the pool unless an
@@ -483,7 +484,9 @@ class TieredStore:
         """Bytes the lower tier of ``keep_spillable`` lacks, now, to take every block of the upper one
         plus this write of ``charge`` into ``name`` (0: it may go ahead). A copy between the two (a
         demotion, a promotion, a write behind) changes nothing and is not checked. Room is made
-        first by evicting the lower tier's own victims (as its eviction would)."""
+        first by evicting the lower tier's own victims (as its eviction would: they are older than
+        anything above), then by the upper tier's leaves leaving the store, in its eviction order
+        -- but only when their leaving would make the room: a write refused costs no upper block."""
         if self.keep_spillable is None or name not in self.keep_spillable:
             return 0
         up, low = self.keep_spillable
@@ -494,10 +497,13 @@ class TieredStore:
         lower = self.tiers[low]
         try:
             short = lower.shortfall(ix.used + charge, values)
-            if short > 0 and self.evict(low, short) > 0:
+            while short > 0 and self.evict(low, short) > 0:  # a slab's room comes back with its last block
                 short = lower.shortfall(ix.used + charge, values)
             if short <= 0 or lower.shortfall(charge, 1) > 0:
                 return short  # fits, or would not fit even alone (a full journal): nothing more leaves
+            freed, leaving = self._leavable(up, low)
+            if lower.shortfall(ix.used - freed + charge, values - leaving) > 0:
+                return short  # would not fit with every leaf of ``up`` gone: none leaves for nothing
             for k in ix.victims(self._droppable):  # the upper tier's own leaves leave the store
                 if k in self._idx[low]:
                     self._forget_in(up, k)
@@ -512,6 +518,29 @@ class TieredStore:
             log.warning("store: room of %s unknown: %s", low, exc)
             return 0
         return short
+
+    def _leavable(self, up: str, low: str) -> tuple[int, int]:
+        """(charged bytes, blocks) of ``up`` that the loop of :meth:`_spill_short` could take away:
+        each block droppable by itself whose cached descendants all leave the store with it (a
+        parent becomes a leaf only once its children are gone, and a child also held by ``low``
+        stays in the store)."""
+        ix, below = self._idx[up], self._idx[low]
+        goes: dict[bytes, bool] = {}
+        for root in ix:
+            stack = [(root, False)]
+            while stack:
+                k, expanded = stack.pop()
+                if k in goes:
+                    continue
+                kids = [c for c in self._meta[k].children if c in self._meta]
+                if not expanded:
+                    stack.append((k, True))
+                    stack.extend((c, False) for c in kids if c not in goes)
+                    continue
+                goes[k] = (k in ix and self._droppable_self(k)
+                           and all(goes[c] and c not in below for c in kids))
+        gone = [k for k, ok in goes.items() if ok]
+        return sum(ix.size_of(k) or 0 for k in gone), len(gone)
 
     def _native_ttl(self, t: Tier, m: _Meta) -> float | None:
         if not t.caps.native_ttl:
@@ -789,11 +818,13 @@ class TieredStore:
             raise QuotaExceededError(f"{account}'s quota of {limit} bytes is full of pinned or leased blocks")
 
     def _droppable(self, key: bytes) -> bool:
+        return self._droppable_self(key) and not any(c in self._meta for c in self._meta[key].children)
+
+    def _droppable_self(self, key: bytes) -> bool:
+        """Nothing but its children keeps ``key`` in the store: not busy, pinned, leased or a parent in flight."""
         if key in self._busy or key in self._in_flight_parents:
             return False
-        if not self.ledger.knows(key) or not self.ledger.is_evictable(key, self.clock()):
-            return False
-        return not any(c in self._meta for c in self._meta[key].children)
+        return self.ledger.knows(key) and self.ledger.is_evictable(key, self.clock())
 
     def usage(self, account: str) -> tuple[int, int]:
         """(charged bytes, blocks) the store holds for ``account``."""

@@ -9,7 +9,6 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -26,7 +25,7 @@ from kvport.spec import DType, KVSpec, Layout
 from kvport.transfer import links
 from kvport.transfer.sender import Sender
 
-from .test_vllm_stream import SECRET, engine_kv, producer, stream_all, wait_until
+from .test_vllm_stream import SECRET, engine_kv, inbox, producer, stream_all, wait_until
 
 SPEC = KVSpec("m", num_layers=3, num_kv_heads=2, head_dim=8, dtype=DType.FP32, block_size=4, layout=Layout.VLLM_CPU)
 CTX = KeyContext(block_size=4, spec_fingerprint=SPEC.fingerprint)
@@ -42,13 +41,7 @@ def land(box: Inbox, sid: str, keys: tuple[bytes, ...]) -> None:
     box.destination(TransferMeta(SPEC, sid, keys)).commit()
 
 
-@pytest.fixture(params=["tcp", "shm"])
-def served(request: pytest.FixtureRequest) -> Iterator[tuple[Inbox, InboxServer]]:
-    box = Inbox(SPEC, 8, HEADER, ttl_s=30.0)
-    srv = InboxServer(box, "127.0.0.1:0" if request.param == "tcp" else f"shm:kvport-t-{new_stream_id()[:12]}",
-                      SECRET)
-    yield box, srv
-    srv.close()
+served = inbox  # the decode engine's inbox on loopback TCP and on shared memory (test_vllm_stream's fixture)
 
 
 # ---------------------------------------------------------------------- completeness

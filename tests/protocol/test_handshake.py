@@ -19,20 +19,23 @@ def lookup(who: str) -> tuple[bool, bytes | None]:
     return (who in KEYS, KEYS.get(who))
 
 
-def run(who: str, key: bytes | None, server_keys=lookup) -> tuple[object, object]:  # type: ignore[no-untyped-def]
+def run(who: str, key: bytes | None, server_keys=lookup, dest: str = "",  # type: ignore[no-untyped-def]
+        names: frozenset[str] | None = None) -> tuple[object, object]:
+    """One handshake over an in-process pair: the client's answer signed for ``dest``, the server
+    dialled by ``names`` (None: unbound)."""
     a, b = pair()
     out: dict[str, object] = {}
 
     def server() -> None:
         try:
-            out["server"] = hs.server_handshake(FrameIO(b), "srv", server_keys, {"page_bytes": 4096})
+            out["server"] = hs.server_handshake(FrameIO(b), "srv", server_keys, {"page_bytes": 4096}, names=names)
         except AuthError as exc:
             out["server"] = exc
 
     t = threading.Thread(target=server)
     t.start()
     try:
-        client: object = hs.client_handshake(FrameIO(a), who, key, "inst-1")
+        client: object = hs.client_handshake(FrameIO(a), who, key, "inst-1", dest=dest)
     except AuthError as exc:
         client = exc
     t.join(5)
@@ -79,26 +82,7 @@ def test_a_server_that_does_not_know_the_key_is_caught_by_the_client() -> None:
 
 
 def bound(dest: str, names: frozenset[str] | None) -> tuple[object, object]:
-    """The handshake with the client's answer signed for ``dest`` and a server dialled by ``names``."""
-    a, b = pair()
-    out: dict[str, object] = {}
-
-    def server() -> None:
-        try:
-            out["server"] = hs.server_handshake(FrameIO(b), "srv", lookup, names=names)
-        except AuthError as exc:
-            out["server"] = exc
-
-    t = threading.Thread(target=server)
-    t.start()
-    try:
-        client: object = hs.client_handshake(FrameIO(a), "a", b"token-of-a", "inst-1", dest=dest)
-    except AuthError as exc:
-        client = exc
-    t.join(5)
-    a.close()
-    b.close()
-    return client, out["server"]
+    return run("a", b"token-of-a", dest=dest, names=names)
 
 
 def test_an_answer_bound_to_the_server_s_own_address_is_accepted() -> None:

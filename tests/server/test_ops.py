@@ -107,8 +107,8 @@ def test_a_start_that_fails_half_way_leaves_nothing_open(tmp_path) -> None:  # t
         limits = ServerLimits(max_value_bytes=4 * MiB, total_inflight_bytes=8 * MiB)
         rss = psutil.Process().memory_info().rss  # the host pool is what the capacity leaves above this
         # ... and above the lease records' budget (at most 112 MiB for one tenant: kvport.server.app)
-        cfg = ServerConfig(capacity_bytes=rss + 80 * MiB + 112 * MiB, disk_dir=tmp_path / "disk", http_port=busy, limits=limits,
-                           io_threads=2)
+        cfg = ServerConfig(capacity_bytes=rss + 80 * MiB + 112 * MiB, disk_dir=tmp_path / "disk", http_port=busy,
+                           limits=limits, io_threads=2)
         failed = KVServer(cfg)
         try:
             with pytest.raises(ConfigError, match=f"--http-port {busy}"):

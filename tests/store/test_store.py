@@ -217,9 +217,10 @@ def test_prefetch_promotes_lower_hits(tmp_path) -> None:  # type: ignore[no-unty
     s.close()
 
 
-def test_broken_tier_is_skipped_reported_and_recovers(redis_server) -> None:  # type: ignore[no-untyped-def]
+def test_broken_tier_is_skipped_reported_and_recovers(redis_server, caplog) -> None:  # type: ignore[no-untyped-def]
     from kvport.tiers import RedisTier
 
+    caplog.set_level("WARNING", logger="kvport.store.health")
     clock = Clock()
     host = HostTier(4 * 64, 64, name="host")
     red = RedisTier(redis_server.url, prefix="store-broken:", socket_timeout_s=2, name="redis")
@@ -238,6 +239,8 @@ def test_broken_tier_is_skipped_reported_and_recovers(redis_server) -> None:  # 
             s.get_into(k(only_redis[0]), dst)  # a miss, not a crash
         assert s.stats().broken == ("redis",)
         assert sample("tier_broken", {"tier": "redis"}) == 1
+        down = [r for r in caplog.records if "tier redis is down" in r.getMessage()]
+        assert len(down) == 1 and down[0].levelname == "WARNING"  # said once, not only a gauge
         for i in on_host:
             assert s.get_into(k(i), dst) == 32 and dst == val(i)  # still served from the host
         assert s.lookup([k(only_redis[0])]).prefix_blocks == 0
@@ -249,6 +252,8 @@ def test_broken_tier_is_skipped_reported_and_recovers(redis_server) -> None:  # 
     s.put(k(60), val(60))
     assert s.stats().broken == ()
     assert sample("tier_broken", {"tier": "redis"}) == 0
+    assert sum("tier redis is down" in r.getMessage() for r in caplog.records) == 1  # each change once
+    assert any("tier redis is back" in r.getMessage() for r in caplog.records)
     assert "redis" in s.where(k(60))
     red.close()
 

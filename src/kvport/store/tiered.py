@@ -229,8 +229,8 @@ class TieredStore:
             idx = [i for i in range(upto) if tiers[i] == name]
             try:
                 have = t.contains_many([keys[i] for i in idx])
-            except TierUnavailableError:
-                self._health.mark_broken(t)
+            except TierUnavailableError as exc:
+                self._health.mark_broken(t, exc)
                 cut = min(cut, idx[0])
                 continue
             gone = next((i for i, ok in zip(idx, have, strict=True) if not ok), None)
@@ -257,8 +257,8 @@ class TieredStore:
                     parent = keys[start + j - 1] if start + j > 0 else None
                     self._index_add(name, k, size, parent, Lifetime.PREFIX, None)
                     found = True
-            except TierUnavailableError:
-                self._health.mark_broken(t)
+            except TierUnavailableError as exc:
+                self._health.mark_broken(t, exc)
         return found
 
     # ------------------------------------------------------------------ put
@@ -435,8 +435,8 @@ class TieredStore:
         m0 = self._meta[srcs[0][0]]
         try:
             t.put_many(srcs, ttl_s=self._native_ttl(t, m0))
-        except TierUnavailableError:
-            self._health.mark_broken(t)
+        except TierUnavailableError as exc:
+            self._health.mark_broken(t, exc)
             raise
         for (k, v), charge in zip(srcs, charges, strict=True):
             self._bytes_in[name] += v.nbytes
@@ -470,8 +470,8 @@ class TieredStore:
                 else:
                     t.put(key, parts[0], ttl_s=ttl)
                 break
-            except TierUnavailableError:
-                self._health.mark_broken(t)
+            except TierUnavailableError as exc:
+                self._health.mark_broken(t, exc)
                 raise
             except TierFullError:
                 if not evict_when_full or t.caps.shared or self.evict(name, charge) <= 0:
@@ -638,8 +638,8 @@ class TieredStore:
                 t = self.tiers[run_tier]
                 try:
                     got = t.get_many_into([items[i] for i in run])
-                except TierUnavailableError:
-                    self._health.mark_broken(t)
+                except TierUnavailableError as exc:
+                    self._health.mark_broken(t, exc)
                     got = [None] * len(run)
                 for i, n in zip(run, got, strict=True):
                     key = items[i][0]
@@ -935,8 +935,8 @@ class TieredStore:
                 except (BlockNotFoundError, CorruptBlockError):
                     self._forget_in(name, key)
                     continue
-                except TierUnavailableError:
-                    self._health.mark_broken(t)
+                except TierUnavailableError as exc:
+                    self._health.mark_broken(t, exc)
                     continue
                 n = data.nbytes
                 self._bytes_out[name] += n
@@ -1127,8 +1127,8 @@ class TieredStore:
         _USED.labels(name).set(ix.used)
         try:
             self.tiers[name].delete(key)
-        except TierUnavailableError:
-            self._health.mark_broken(self.tiers[name])
+        except TierUnavailableError as exc:
+            self._health.mark_broken(self.tiers[name], exc)
         except KVPortError as exc:  # a peer past the caller's deadline: the index is what counts here
             log.info("store: delete of %s from %s failed: %s", key.hex(), name, exc)
 
@@ -1306,7 +1306,7 @@ class TieredStore:
                 else:
                     t.put(key, view[:n], ttl_s=ttl)
             except TierUnavailableError as exc:
-                self._health.mark_broken(t)
+                self._health.mark_broken(t, exc)
                 log.debug("kvport: write-behind of %s to %s dropped (%s)", key.hex(), tier, exc)
                 dropped += 1
                 continue

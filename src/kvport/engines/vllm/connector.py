@@ -465,6 +465,8 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
             _, failed = self.streams.finish()
             SECONDS.labels(op="stream").inc(time.perf_counter() - t0)
             saves += [sc.copy for sc in failed]  # not in the decode engine: saved now, the unstreamed hand-off
+        elif self.streams is None and plan is not None and plan.streams:  # no link to stream over (no secret)
+            saves += [sc.copy for sc in plan.streams]
         if plan is not None and plan.kept and self.async_loads is not None:  # their first step ran
             self.async_loads.keep(plan.kept)
         if saves:

@@ -575,8 +575,7 @@ class StreamOut:
                             "store instead", o.sc.copy.req_id, o.sc.dest, o.layers, self.spec.num_layers,
                             type(exc).__name__, exc)
                 STREAM_OUTCOMES.labels(outcome="failed").inc()
-                with contextlib.suppress(KVPortError, OSError):  # the link may be gone: the receiver aborts on EOF
-                    o.sender.abort(o.h, f"stream failed: {exc}")
+                o.sender.abort(o.h, f"stream failed: {exc}")  # best effort: the link may be gone (EOF aborts)
                 o.sender.close()
                 failed.append(o.sc)
                 continue

@@ -10,12 +10,18 @@
     kvport inspect --server H:P --leaks          pins and leases past their TTL, blocks without an
                                                  owner, ledger records without bytes, orphan children
                                                  (exit code 1 when any)
+    kvport inspect --handoff ADDR                an engine's hand-off ledger (ADDR: its inbox, HOST:PORT or
+                                                 shm:NAME, authenticated with KVPORT_PD_SECRET): the newest
+                                                 ownership moves -- blocks acquired, from whom, when, the
+                                                 transfer id, handed to the pool or forgotten since
+    kvport inspect --handoff ADDR --owners ab12  only the moves of blocks whose key starts with that hex
 
 A tenant sees its own blocks only; an admin tenant sees all. ``--json`` prints the typed answer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import ssl
 import sys
@@ -32,6 +38,9 @@ from kvport.config import Settings
 from kvport.errors import UserInputError
 from kvport.keys import KEY_BYTES
 from kvport.protocol.server import LeaksAnswer, OwnersAnswer, PinRow, StatsAnswer
+from kvport.protocol.transfer import MAX_RECORDS
+from kvport.transfer.handoff import records as handoff_records
+from kvport.transfer.links import parse_address
 from kvport.units import format_bytes
 
 
@@ -108,6 +117,29 @@ def _owner_query(arg: str) -> tuple[tuple[bytes, ...], str]:
     return (), text
 
 
+def _inspect_handoff(address: str, limit: int, owners: str | None, as_json: bool) -> None:
+    if parse_address(address) is None:
+        raise UserInputError(f"--handoff expects HOST:PORT or shm:NAME, got {address!r}")
+    prefix = ""
+    if owners is not None:
+        keys, prefix = _owner_query(owners)
+        prefix = prefix or keys[0].hex()
+    secret = Settings.from_env().pd_secret
+    if not secret:
+        raise UserInputError("--handoff authenticates with the deployment's hand-off secret: set KVPORT_PD_SECRET")
+    answer = handoff_records(address, secret.encode(), limit)
+    rows = [r for r in answer.records if r.key.startswith(prefix)]
+    if as_json:
+        click.echo(json.dumps({"owner": answer.owner, "held": answer.held,
+                               "records": [dataclasses.asdict(r) for r in rows]}, indent=2))
+        return
+    t = Table("key", "move", "from", "to", "transfer id", "ago (s)",
+              title=f"hand-off ledger of {answer.owner or '(no ledger)'}: {answer.held} blocks held now")
+    for r in rows:
+        t.add_row(r.key, r.move, r.owner_from or "-", r.owner_to or "-", r.tid or "-", f"{r.age_s:.1f}")
+    Console().print(t)
+
+
 def _check_ca(path: str) -> None:
     """A CA file that does not load is the flag's error (the client would raise ssl's own on connect)."""
     try:
@@ -117,7 +149,11 @@ def _check_ca(path: str) -> None:
 
 
 @click.command(name="inspect")
-@click.option("--server", "server", required=True, help="HOST:PORT of a running kvport server")
+@click.option("--server", "server", default=None, help="HOST:PORT of a running kvport server")
+@click.option("--handoff", "handoff", default=None, metavar="ADDR",
+              help="an engine's hand-off inbox (HOST:PORT or shm:NAME): its ledger's newest ownership moves")
+@click.option("--limit", default=MAX_RECORDS, show_default=True, type=click.IntRange(1, MAX_RECORDS),
+              help="--handoff: how many moves")
 @click.option("--tenant", default="default", show_default=True)
 @click.option("--token", default=None, help="tenant token (default: KVPORT_AUTH_TOKEN)")
 @click.option("--tls", is_flag=True, help="connect with TLS")
@@ -126,9 +162,16 @@ def _check_ca(path: str) -> None:
               help="who holds a block (32 hex digits: it and the prefix it ends) or every block with that hex prefix")
 @click.option("--leaks", "leaks", is_flag=True, help="pins/leases past their TTL, blocks without owner or parent")
 @click.option("--json", "as_json", is_flag=True, help="print the answer as JSON")
-def inspect_cmd(server: str, tenant: str, token: str | None, tls: bool, tls_ca: str | None, owners: str | None,
-                leaks: bool, as_json: bool) -> None:
-    """Show a running server's usage, tenants, top prefixes, pins and leases; or owners; or leaks."""
+def inspect_cmd(server: str | None, handoff: str | None, limit: int, tenant: str, token: str | None, tls: bool,
+                tls_ca: str | None, owners: str | None, leaks: bool, as_json: bool) -> None:
+    """Show a running server's usage, tenants, top prefixes, pins and leases; or owners; or leaks.
+    With --handoff, an engine's hand-off ledger instead."""
+    if (server is None) == (handoff is None):
+        raise UserInputError("give one of --server HOST:PORT (a kvport server) or --handoff ADDR (an engine's inbox)")
+    if handoff is not None:
+        _inspect_handoff(handoff, limit, owners, as_json)
+        return
+    assert server is not None
     host, port = parse_listen(server, "--server")
     query = _owner_query(owners) if owners is not None else None
     if tls_ca is not None:

@@ -577,6 +577,12 @@ class Ledger:
         with self._lock:
             return tuple(self._history)
 
+    def recent(self, n: int) -> list[MoveRecord]:
+        """The newest ``n`` moves, oldest first (a copy of the tail only)."""
+        with self._lock:
+            h = self._history
+            return [h[i] for i in range(max(0, len(h) - n), len(h))]
+
     def __len__(self) -> int:
         return len(self._blocks)
 

@@ -63,6 +63,8 @@ class MsgType(enum.IntEnum):
     TRANSFER_END = 21
     TRANSFER_COMMITTED = 22  # receiver -> sender: blocks linked, ownership moved
     TRANSFER_ABORT = 23  # either way: the transfer is void, nothing linked
+    HANDOFF_RECORDS = 24  # asker -> receiver: the newest ownership moves of its ledger
+    HANDOFF_RECORDS_ANSWER = 25  # receiver -> asker
     # shared-tier server (requests; answers use the same type with Flags.RESPONSE)
     PUT = 64
     GET = 65

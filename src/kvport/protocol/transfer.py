@@ -256,5 +256,53 @@ class TransferCommitted(Message):
     owner: Annotated[str, Len(128)] = ""  # the receiver's ledger owner that acquired the blocks
 
 
-__all__ = ["MAX_BLOCKS", "Credit", "LayerHead", "Name", "TransferAbort", "TransferAccept", "TransferBegin",
-           "TransferCommitted", "TransferEnd", "TransferMeta", "TransferRefuse", "tid_of"]
+MAX_RECORDS = 512  # ownership moves one HANDOFF_RECORDS answer carries at most (< 256 KiB of metadata)
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffRecords(Message):
+    """Asker -> receiver, on an authenticated hand-off link: the newest ``limit`` ownership moves of the
+    receiver's ledger (``kvport inspect --handoff``)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HANDOFF_RECORDS
+    limit: Annotated[int, Range(1, MAX_RECORDS)]
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffRow:
+    """One ownership move: a block (hex key) went ``owner_from`` -> ``owner_to`` by ``move``."""
+
+    key: Annotated[str, Len(32)]
+    move: Annotated[str, Len(32)]
+    owner_from: Annotated[str, Len(128)]
+    owner_to: Annotated[str, Len(128)]
+    tid: Annotated[str, Len(64)]  # the hand-off's transfer id, both ledgers record it ("" outside one)
+    age_s: float  # seconds ago
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffRecordsAnswer(Message):
+    TYPE: ClassVar[MsgType] = MsgType.HANDOFF_RECORDS_ANSWER
+    owner: Annotated[str, Len(128)]  # the receiver's ledger owner ("" without a ledger)
+    held: Annotated[int, Range(0, 2**40)]  # blocks its ledger holds now
+    records: Annotated[tuple[HandoffRow, ...], Len(MAX_RECORDS)]  # oldest first
+
+
+__all__ = [
+    "MAX_BLOCKS",
+    "MAX_RECORDS",
+    "Credit",
+    "HandoffRecords",
+    "HandoffRecordsAnswer",
+    "HandoffRow",
+    "LayerHead",
+    "Name",
+    "TransferAbort",
+    "TransferAccept",
+    "TransferBegin",
+    "TransferCommitted",
+    "TransferEnd",
+    "TransferMeta",
+    "TransferRefuse",
+    "tid_of",
+]

@@ -43,7 +43,7 @@ import enum
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -72,6 +72,9 @@ from kvport.protocol.schema import Message
 from kvport.protocol.sync import FrameIO
 from kvport.protocol.transfer import (
     Credit,
+    HandoffRecords,
+    HandoffRecordsAnswer,
+    HandoffRow,
     LayerHead,
     TransferAbort,
     TransferAccept,
@@ -209,13 +212,14 @@ class Receiver:
     def __init__(self, transport: Transport, spec: KVSpec, destinations: DestinationFactory, budget_bytes: int,
                  bp: Backpressure | None = None, limits: Limits = DEFAULT_LIMITS, codecs: Iterable[str] = ("raw",),
                  auto_release: bool = True, ledger: Ledger | None = None, owner: Owner | None = None,
-                 peers: Iterable[Owner] = ()) -> None:
+                 peers: Iterable[Owner] = (), admit_peer: Callable[[Owner], bool] | None = None) -> None:
         """``auto_release``: bytes are released as soon as they landed and verified (the destination is
         the caller's own memory; credits then bound bytes in flight); otherwise the consumer calls
         :meth:`release` once it has freed committed KV (credits then bound the buffer it holds).
 
         ``ledger`` / ``owner``: record each commit as ``owner`` acquiring the blocks from the sender's
-        owner, which must be one of ``peers`` (added to the ledger) or already a peer of it."""
+        owner, which must be one of ``peers`` (added to the ledger), already a peer of it, or one
+        ``admit_peer`` admits (it adds it: a sender on an authenticated link, :mod:`kvport.transfer.handoff`)."""
         if ledger is not None and owner is None:
             raise ConfigError("a Receiver with a ledger needs its owner")
         peers = tuple(peers)
@@ -231,6 +235,7 @@ class Receiver:
         self.codecs = tuple(codecs)
         self.auto_release = auto_release
         self.ledger, self.owner = ledger, owner
+        self.admit_peer = admit_peer
         for p in peers:
             ledger.add_peer(p)  # type: ignore[union-attr]  # checked above
         self.incoming: queue.Queue[Incoming] = queue.Queue()
@@ -339,8 +344,20 @@ class Receiver:
             cur = self._cur(abort.tid)
             if cur is not None:
                 self._abort(cur, abort.error, tell_sender=False)
+        elif mt is MsgType.HANDOFF_RECORDS:
+            self._send(self._records(HandoffRecords.from_meta(m).limit))
         elif mt is not MsgType.PING:
             raise ProtocolError(f"unexpected {mt.name} on a transfer connection")
+
+    def _records(self, limit: int) -> HandoffRecordsAnswer:
+        """The newest ``limit`` moves of this receiver's ledger (none without one), oldest first."""
+        if self.ledger is None:
+            return HandoffRecordsAnswer("", 0, ())
+        now = self.ledger.clock()
+        rows = tuple(HandoffRow(r.key.hex(), r.move.value, "" if r.owner_from is None else str(r.owner_from),
+                                "" if r.owner_to is None else str(r.owner_to), r.tid or "", max(0.0, now - r.at))
+                     for r in self.ledger.recent(limit))
+        return HandoffRecordsAnswer(self._owner_name, len(self.ledger), rows)
 
     def _cur(self, tid: int) -> Incoming | None:
         cur = self.current
@@ -361,7 +378,7 @@ class Receiver:
             peer = Owner.parse(begin.owner)
         except IllegalMoveError as exc:
             raise UnknownPeerError(f"sender owner {begin.owner[:80]!r} is not a known peer of this receiver") from exc
-        if peer not in self.ledger.peers:
+        if peer not in self.ledger.peers and (self.admit_peer is None or not self.admit_peer(peer)):
             raise UnknownPeerError(f"{peer} is not a known peer of this receiver's ledger")
         if not begin.ledger_tid:
             raise ProtocolError(f"TRANSFER_BEGIN {begin.tid} from {peer} names no ledger_tid")

@@ -130,13 +130,15 @@ class Sender:
     def __init__(self, transport: Transport, bp: Backpressure | None = None, limits: Limits = DEFAULT_LIMITS,
                  ledger: Ledger | None = None, owner: Owner | None = None, peer: Owner | None = None,
                  credit_timeout_s: float | None = 30.0, max_frame_bytes: int = 32 << 20,
-                 batch_bytes: int | None = None, codec: Codec | None = None) -> None:
+                 batch_bytes: int | None = None, codec: Codec | None = None,
+                 admit_peer: Callable[[Owner], bool] | None = None) -> None:
         """``batch_bytes``: payload per transport write (small: hashed while in cache, for sockets;
         a whole frame for shared memory, where each write is a hand-off to the peer).
         ``codec``: this link's codec (:mod:`kvport.transfer.linkcodec`); raw when None.
         ``ledger`` / ``owner``: record every transfer as a hand-off of ``owner``'s blocks to the
         receiver's owner, which must be ``peer`` (added to the ledger as a peer) or, without
-        ``peer``, a peer the ledger already knows."""
+        ``peer``, a peer the ledger already knows or one ``admit_peer`` admits (it adds it: a
+        receiver reached over an authenticated link, :mod:`kvport.transfer.handoff`)."""
         if ledger is not None and owner is None:
             raise ConfigError("a Sender with a ledger needs its owner")
         if peer is not None and ledger is None:
@@ -147,6 +149,7 @@ class Sender:
         self.bp = bp or Backpressure()
         self.window = CreditWindow(self.bp)
         self.ledger, self.owner, self.peer = ledger, owner, peer
+        self.admit_peer = admit_peer
         if ledger is not None and peer is not None:
             ledger.add_peer(peer)
         self.credit_timeout_s = credit_timeout_s
@@ -323,7 +326,7 @@ class Sender:
             raise UnknownPeerError(f"the receiver accepted as {name[:80]!r}, not a known peer") from exc
         if self.peer is not None and dst != self.peer:
             raise UnknownPeerError(f"the receiver accepted as {dst}, this sender hands off to {self.peer}")
-        if dst not in ledger.peers:
+        if dst not in ledger.peers and (self.admit_peer is None or not self.admit_peer(dst)):
             raise UnknownPeerError(f"the receiver accepted as {dst}, not a known peer of this ledger")
         return dst
 

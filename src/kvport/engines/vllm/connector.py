@@ -98,10 +98,12 @@ from kvport.config import Settings
 from kvport.engines.vllm.gate import gate
 from kvport.errors import EngineError, KVPortError
 from kvport.keys import KeyContext
+from kvport.ledger import Ledger
 from kvport.planner import Planner as CostPlanner
 from kvport.planner import Profile
 from kvport.spec import KVSpec
 from kvport.store import TieredStore
+from kvport.transfer.handoff import engine_owner
 
 from .config import ConnectorConfig
 from .identity import check_expected, engine_spec
@@ -216,6 +218,11 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.streams: StreamOut | None = None  # worker side, producer: hand-offs streamed layer by layer
         self.inbox: Inbox | None = None  # worker side, decode engine: where they arrive
         self.inbox_server: InboxServer | None = None
+        # worker side: the KV this engine holds on the hand-off (streamed out, or landed in its inbox),
+        # every move recorded with the transfer id the other engine's ledger records too
+        self.kv_owner = engine_owner("prefill" if role == "kv_producer" else "decode",
+                                     str(self._kv_transfer_config.engine_id))
+        self.kv_ledger = Ledger(owners=[self.kv_owner])
         self._warned_dests: set[str] = set()  # scheduler side: kvport_dest values refused, logged once each
 
     # ================================================================ scheduler side
@@ -375,7 +382,8 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         secret = token.encode() if token else None
         if self.consumes and self.cfg.pd_inbox is not None:
             blocks = max(1, -(-self.cfg.pd_inbox_tokens // self.spec.block_size))
-            self.inbox = Inbox(self.spec, blocks, self.mover.format.header_len, ttl_s=self.cfg.pd_lease_s)
+            self.inbox = Inbox(self.spec, blocks, self.mover.format.header_len, ttl_s=self.cfg.pd_lease_s,
+                               ledger=self.kv_ledger, owner=self.kv_owner)
             self.inbox_server = InboxServer(self.inbox, self.cfg.pd_inbox, secret, self.cfg.pd_inbox_names)
             log.info("kvport: decode engine's inbox on %s (%d blocks)", self.inbox_server.address, blocks)
         if self.produces and self.cfg.pd_stream and self.cfg.pd_destinations:
@@ -383,7 +391,8 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 log.warning("kvport: kvport_pd_destinations given but no KVPORT_PD_SECRET: hand-offs are saved to "
                             "the store, not streamed")
             else:
-                self.streams = StreamOut(self.spec, paged, secret, self.cfg.pd_destinations)
+                self.streams = StreamOut(self.spec, paged, secret, self.cfg.pd_destinations, ledger=self.kv_ledger,
+                                         owner=self.kv_owner)
         if self.consumes and self.cfg.async_handoff:
             self.async_loads = AsyncLoads(self.spec, self.store, paged, staging, self.cfg.load_deadline, self.inbox)
 

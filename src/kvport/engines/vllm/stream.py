@@ -41,7 +41,7 @@ import re
 import secrets
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -50,19 +50,22 @@ import numpy as np
 
 from kvport import metrics
 from kvport.deadline import Deadline
-from kvport.errors import ConfigError, KVPortError, PeerError, TierFullError, TransferError
+from kvport.errors import ConfigError, KVPortError, TierFullError, TransferError
 from kvport.keys import BlockKey
-from kvport.protocol.rejects import Rejected
+from kvport.ledger.states import Owner
+from kvport.lifetime import Lifetime
 from kvport.protocol.transfer import TransferMeta
 from kvport.spec import KVSpec
 from kvport.transfer import links
-from kvport.transfer.receiver import InState, Receiver
+from kvport.transfer.handoff import MAX_CONNECTIONS, TRANSFER_S, HandoffDialer, HandoffListener
 from kvport.transfer.sender import LayerStreamer, Outgoing, Sender
 
 from .plan import StreamCopy
-from .stream_addr import DEST_KEY, SHM_PREFIX, parse_dest
+from .stream_addr import DEST_KEY, parse_dest
 
 if TYPE_CHECKING:  # torch comes with the paged KV; the proxy imports this module without vLLM
+    from kvport.ledger import Ledger
+
     from .paged import PagedKV
 
 log = logging.getLogger(__name__)
@@ -72,13 +75,10 @@ STREAM_OUTCOMES = metrics.counter(
     "-- a kvport_dest not among kvport_pd_destinations; decode: taken, partial, lapsed, refused, discarded -- "
     "its request did not need it)", ["outcome"])
 _STREAM_ID = re.compile(r"[0-9a-f]{32}")
-IDLE_TIMEOUT_S = 3600.0  # a producer keeps its connection between hand-offs: idle for long is normal
 MAX_STREAMS = 4096  # streams an inbox holds at once (accepted ones only)
 MAX_REFUSED = 1024  # reasons kept for streams refused before anything landed (their decode requests ask)
 MAX_SPENT = 65536  # ids taken, discarded or lapsed, remembered so that none is filled again (~6 MiB at most)
 SPENT_MIN_S = 600.0  # ... for at least this long (or the inbox's ttl_s, when longer)
-MAX_CONNECTIONS = 64  # producer connections an inbox serves at once (a thread and ~1 MiB each)
-TRANSFER_S = 120.0  # a transfer still receiving this long after its TRANSFER_BEGIN is abandoned
 RECEIVER_BUDGET_BYTES = 32 << 20  # bytes in flight per connection (credits); they land in the inbox at once
 SHM_SLOT_BYTES, SHM_SLOTS = 4 << 20, 8  # a producer's ring to one inbox: 32 MiB
 SHM_FRAME_BYTES = 32 << 20  # on shared memory a frame is one hand-off to the peer: a layer of a step per frame
@@ -117,9 +117,16 @@ class Inbox:
     A transfer lands in whole blocks only: every layer of each block (``[0, num_layers)``) in one
     transfer, so a block in a stream is complete by construction once its transfer committed (the
     receiver's bitmap: every block-layer exactly once, each verified). A block key is written once
-    per stream: a transfer naming a key the stream holds or is receiving voids the stream."""
+    per stream: a transfer naming a key the stream holds or is receiving voids the stream.
 
-    def __init__(self, spec: KVSpec, capacity_blocks: int, header: int, ttl_s: float = 30.0) -> None:
+    With a ledger (``ledger`` / ``owner``: the decode engine's, given to its :class:`InboxServer` too)
+    a committed transfer is ``owner`` acquiring its blocks from the producer, recorded by the receiver
+    with the producer's transfer id; the record stays while any slot holds the block (or a transfer
+    of it is still landing) and goes with the last one: handed to the pool first when the keeper put
+    it in the store (:meth:`release` ``kept=True``), else forgotten. The ledger never outgrows the inbox."""
+
+    def __init__(self, spec: KVSpec, capacity_blocks: int, header: int, ttl_s: float = 30.0,
+                 ledger: Ledger | None = None, owner: Owner | None = None) -> None:
         if capacity_blocks <= 0:
             raise ConfigError(f"the inbox needs at least one block, got {capacity_blocks}")
         self.spec = spec
@@ -132,6 +139,11 @@ class Inbox:
         self._spent: OrderedDict[str, float] = OrderedDict()  # ids taken, discarded or lapsed: never again
         self._refused: OrderedDict[str, str] = OrderedDict()  # ids refused before any transfer landed: why
         self._cond = threading.Condition()
+        self.ledger, self.owner = ledger, owner
+        self._slot_key: dict[int, BlockKey] = {}  # committed slots -> their block
+        self._holders: dict[BlockKey, int] = {}  # committed slots holding each block
+        self._landing: dict[BlockKey, int] = {}  # transfers still receiving each block
+        self._kept: set[BlockKey] = set()  # blocks a slot of which the keeper put in the store
         # given a lapsed stream's (key, slot) pairs, keeps them (in the store) and releases the slots;
         # None: the slots are freed at once
         self.on_lapse: Callable[[list[tuple[BlockKey, int]]], None] | None = None
@@ -214,6 +226,8 @@ class Inbox:
             st = self._streams[sid] = _Stream()
             self._refused.pop(sid, None)
         slots = [self._free.pop() for _ in keys]
+        for k in keys:
+            self._landing[k] = self._landing.get(k, 0) + 1
         st.pending.update(keys)
         st.open += 1
         return slots
@@ -256,27 +270,77 @@ class Inbox:
     def _commit(self, sid: str, keys: Sequence[BlockKey], slots: list[int]) -> None:
         """Every block-layer of the transfer arrived once and verified: its whole blocks join the stream."""
         with self._cond:
+            self._landed(keys)
             st = self._streams.get(sid)
             if st is None:  # taken, discarded or lapsed meanwhile: nobody will use these
                 self._free.extend(slots)
+                self._settle(keys)
                 return
             st.open -= 1
             st.pending.difference_update(keys)
             if st.error:  # void: its blocks are not linked (the request reads the store or recomputes)
                 self._free.extend(slots)
+                self._settle(keys)
             else:
                 st.slots.update(zip(keys, slots, strict=True))
+                for k, slot in zip(keys, slots, strict=True):
+                    self._slot_key[slot] = k
+                    self._holders[k] = self._holders.get(k, 0) + 1
             self._cond.notify_all()
 
     def _abort(self, sid: str, keys: Sequence[BlockKey], slots: list[int], why: str) -> None:
         with self._cond:
+            self._landed(keys)
             self._free.extend(slots)
+            self._settle(keys)
             st = self._streams.get(sid)
             if st is not None:
                 st.open -= 1
                 st.pending.difference_update(keys)
                 st.error = st.error or why
             self._cond.notify_all()
+
+    def _landed(self, keys: Sequence[BlockKey]) -> None:
+        for k in keys:
+            n = self._landing.get(k, 0) - 1
+            if n > 0:
+                self._landing[k] = n
+            else:
+                self._landing.pop(k, None)
+
+    def _free_slots(self, slots: Iterable[int], kept: bool = False) -> None:
+        """Committed slots back to the free list (callers hold the lock); their blocks' records settle."""
+        keys: list[BlockKey] = []
+        for slot in slots:
+            self._free.append(slot)
+            k = self._slot_key.pop(slot, None)
+            if k is None:
+                continue
+            n = self._holders.get(k, 0) - 1
+            if n > 0:
+                self._holders[k] = n
+            else:
+                self._holders.pop(k, None)
+            if kept:
+                self._kept.add(k)
+            keys.append(k)
+        self._settle(keys)
+
+    def _settle(self, keys: Iterable[BlockKey]) -> None:
+        """Blocks no slot holds and no transfer is landing leave the ledger: handed to the pool when
+        the keeper put one in the store, else forgotten (callers hold the lock)."""
+        for k in keys:
+            if k in self._holders or k in self._landing:
+                continue
+            kept = k in self._kept
+            self._kept.discard(k)
+            led, me = self.ledger, self.owner
+            if led is None or me is None or not led.knows(k) or led.owner_of(k) != me:
+                continue
+            with contextlib.suppress(KVPortError):
+                if kept:
+                    led.hand_off(bytes(k), me, Owner.pool(), lifetime=Lifetime.PREFIX)
+                led.forget(bytes(k))
 
     def _lapse(self, now: float) -> list[tuple[BlockKey, int]]:
         """Streams nobody took within ``ttl_s`` (callers hold the lock): their (key, slot) pairs, for
@@ -332,7 +396,7 @@ class Inbox:
                 if slot is None:
                     break
                 taken.append(slot)
-            self._free.extend(st.slots.values())  # blocks the request does not use (its vLLM cache had them)
+            self._free_slots(st.slots.values())  # blocks the request does not use (its vLLM cache had them)
             # transfers of it still open: their commits find the stream gone and free their slots
         why = ""
         if len(taken) < len(keys):
@@ -350,14 +414,15 @@ class Inbox:
             self._spend(stream)
             if st is None:
                 return 0
-            self._free.extend(st.slots.values())
+            self._free_slots(st.slots.values())
             self._cond.notify_all()
         STREAM_OUTCOMES.labels(outcome="discarded").inc()
         return len(st.slots)
 
-    def release(self, slots: Sequence[int]) -> None:
+    def release(self, slots: Sequence[int], kept: bool = False) -> None:
+        """Slots back to the inbox; ``kept``: their blocks were put in the store (handed to the pool)."""
         with self._cond:
-            self._free.extend(slots)
+            self._free_slots(slots, kept)
 
 
 class InboxDestination:
@@ -383,104 +448,22 @@ class InboxDestination:
             self.inbox._abort(self.meta.request_id, self.keys, self.slots, "its transfer was aborted")
 
 
-class InboxServer:
-    """The decode worker's listener (:class:`~kvport.transfer.links.LinkListener`: ``HOST:PORT`` or
-    ``shm:NAME``, every connection authenticated with the deployment's secret, the handshake bound to
-    this inbox's address). One thread accepts and never talks to a peer; each connection gets its
-    own thread that authenticates it (``links.HANDSHAKE_S`` at most) and then serves a
-    :class:`Receiver` into the inbox. At most ``max_connections`` at once (the rest are closed at
-    accept); a transfer still receiving ``transfer_s`` after its TRANSFER_BEGIN is abandoned (its
-    slots freed, the producer told), so a producer that goes silent holds nothing for long."""
+class InboxServer(HandoffListener):
+    """The decode worker's listener: the one hand-off's receiving side
+    (:class:`~kvport.transfer.handoff.HandoffListener`: ``HOST:PORT`` or ``shm:NAME``, every
+    connection authenticated with the deployment's secret, the handshake bound to this inbox's
+    address, at most ``max_connections`` at once, a transfer still receiving ``transfer_s`` after its
+    TRANSFER_BEGIN abandoned) serving a :class:`Receiver` into the inbox per connection. With the
+    inbox's ledger every commit is recorded as the decode engine acquiring the blocks from the
+    producer (named by its ledger owner, admitted over the authenticated link)."""
 
     def __init__(self, inbox: Inbox, address: str, secret: bytes | None, names: Sequence[str] = (),
                  max_connections: int = MAX_CONNECTIONS, transfer_s: float = TRANSFER_S) -> None:
         self.inbox = inbox
-        self.max_connections, self.transfer_s = max_connections, transfer_s
-        self.listener = links.LinkListener(address, secret, names, idle_timeout_s=IDLE_TIMEOUT_S,
-                                           ring=links.ShmRing(SHM_SLOT_BYTES, SHM_SLOTS))
-        self.address = self.listener.address
-        self._conns: set[links.Pending] = set()
-        self._receivers: set[Receiver] = set()
-        self._refused: deque[KVPortError] = deque(maxlen=64)  # refusals of connections that ended
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._accept, name="kvport-pd-inbox", daemon=True)
-        self._thread.start()
-
-    @property
-    def connections(self) -> int:
-        with self._lock:
-            return len(self._conns)
-
-    def refusals(self) -> list[KVPortError]:
-        """The TRANSFER_BEGINs this inbox refused lately (the newest 64 of ended connections, and every
-        one of the open ones), oldest first."""
-        with self._lock:
-            return [*self._refused, *(e for r in self._receivers for e in r.refusals)]
-
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            self._watch()
-            try:
-                p = self.listener.accept(timeout_s=0.5)
-            except (PeerError, OSError):  # nobody came (or the listener closed: the loop ends)
-                continue
-            if self._closed.is_set():
-                p.close()
-                return
-            with self._lock:
-                full = len(self._conns) >= self.max_connections
-                if not full:
-                    self._conns.add(p)
-            if full:
-                log.warning("kvport: inbox connection from %s refused: %d connections open (the cap)",
-                            p.peer, self.max_connections)
-                p.close()
-                continue
-            threading.Thread(target=self._serve, args=(p,), name="kvport-pd-inbox-conn", daemon=True).start()
-
-    def _serve(self, p: links.Pending) -> None:
-        r: Receiver | None = None
-        try:
-            try:
-                t = p.authenticate()
-            except KVPortError as exc:  # a peer that failed the handshake (or its deadline): logged, closed
-                log.warning("kvport: inbox connection from %s refused (%s)", p.peer, exc)
-                return
-            r = Receiver(t, self.inbox.spec, self.inbox.destination, RECEIVER_BUDGET_BYTES)
-            with self._lock:
-                self._receivers.add(r)
-            if not self._closed.is_set():
-                r.serve()
-        finally:
-            with self._lock:
-                self._conns.discard(p)
-                if r is not None:
-                    self._receivers.discard(r)
-                    self._refused.extend(r.refusals)
-            p.close()
-
-    def _watch(self) -> None:
-        """Abandon transfers past ``transfer_s`` (a producer that began one and went silent)."""
-        now = time.monotonic()
-        with self._lock:
-            late = [(r, inc) for r in self._receivers if (inc := r.current) is not None
-                    and inc.state is InState.RECEIVING and now - inc.t_begin > self.transfer_s]
-        for r, inc in late:
-            log.warning("kvport: inbox transfer %s of stream %s… abandoned: still receiving after %.0f s",
-                        inc.tid, inc.meta.request_id[:8], self.transfer_s)
-            r.abandon(inc, f"the inbox's transfer deadline ({self.transfer_s:.0f} s) passed")
-
-    def close(self) -> None:
-        self._closed.set()
-        self.listener.close()
-        with self._lock:
-            receivers, conns = list(self._receivers), list(self._conns)
-        for r in receivers:
-            r.close()
-        for p in conns:
-            p.close()
-        self._thread.join(2)
+        super().__init__(address, secret, inbox.spec, inbox.destination, names=names,
+                         budget_bytes=RECEIVER_BUDGET_BYTES, ledger=inbox.ledger, owner=inbox.owner,
+                         max_connections=max_connections, transfer_s=transfer_s,
+                         ring=links.ShmRing(SHM_SLOT_BYTES, SHM_SLOTS))
 
 
 # ---------------------------------------------------------------------- producer side
@@ -494,40 +477,47 @@ class _Open:
 
 
 class StreamOut:
-    """The producer worker's transfers of one step (``begin`` / ``layer`` / ``finish``), over pooled
-    connections per decode inbox. It dials only ``destinations``, the inboxes its own deployment
-    configured (``kvport_pd_destinations``), never an address a request names by itself, and
-    authenticates every connection with the deployment's secret, signed for the inbox it dialled.
-    Every failure is returned by :meth:`finish` (or :meth:`begin`) as the copies to save the old
-    way; nothing here raises into vLLM's forward."""
+    """The producer worker's transfers of one step (``begin`` / ``layer`` / ``finish``): the one
+    hand-off's sending side (:class:`~kvport.transfer.handoff.HandoffDialer`: pooled connections per
+    decode inbox, dialled only to ``destinations``, the inboxes its own deployment configured
+    (``kvport_pd_destinations``), never an address a request names by itself, every connection
+    authenticated with the deployment's secret, signed for the inbox it dialled). With ``ledger`` /
+    ``owner`` (the producer engine's) each transfer's blocks are registered as the engine's, go to the
+    transfer at the inbox's ACCEPT and are HANDED_OFF to the decode engine at its commit, with the
+    transfer id both ledgers record; a transfer that fails gives them back, and they are forgotten
+    (saved to the store the old way). Every failure is returned by :meth:`finish` (or :meth:`begin`)
+    as the copies to save; nothing here raises into vLLM's forward."""
 
     def __init__(self, spec: KVSpec, paged: PagedKV, secret: bytes | None, destinations: Iterable[str],
-                 tail_s: float = 5.0, max_s: float = 120.0) -> None:
+                 tail_s: float = 5.0, max_s: float = 120.0, ledger: Ledger | None = None,
+                 owner: Owner | None = None) -> None:
         """``tail_s``: how long ``finish`` waits, after the forward, for a transfer's last layers and its
         commit; ``max_s``: a transfer's whole life (a forward longer than that loses its stream)."""
         self.spec, self.paged, self.secret = spec, paged, secret
-        self.destinations = frozenset(destinations)
         self.tail_s, self.max_s = tail_s, max_s
-        self._idle: dict[str, list[Sender]] = {}
+        self.ledger, self.owner = ledger, owner
+        self.dialer = HandoffDialer(secret, destinations, ledger=ledger, owner=owner, credit_timeout_s=tail_s,
+                                    shm_frame_bytes=SHM_FRAME_BYTES, ring=links.ShmRing(SHM_SLOT_BYTES, SHM_SLOTS))
+        self.destinations = self.dialer.destinations
         self._open: list[_Open] = []
         self._failed: list[StreamCopy] = []
 
-    def _connect(self, dest: str) -> Sender:
-        if dest not in self.destinations:
-            raise ConfigError(f"{dest!r} is not one of this deployment's decode inboxes (kvport_pd_destinations)")
-        pool = self._idle.get(dest, [])
-        while pool:
-            s = pool.pop()
-            if not isinstance(s.try_admit(), Rejected):  # an idle connection the peer closed is dropped
-                return s
-            s.close()
-        # kept between hand-offs: the connection may idle; every wait on it has its own bound (tail_s, max_s)
-        t = links.dial(dest, self.secret, timeout_s=5.0, idle_timeout_s=IDLE_TIMEOUT_S,
-                       ring=links.ShmRing(SHM_SLOT_BYTES, SHM_SLOTS))
-        if dest.startswith(SHM_PREFIX):  # on shared memory a frame is one hand-off to the peer: a layer of a step
-            return Sender(t, credit_timeout_s=self.tail_s, max_frame_bytes=SHM_FRAME_BYTES,
-                          batch_bytes=SHM_FRAME_BYTES)
-        return Sender(t, credit_timeout_s=self.tail_s)
+    def _register(self, keys: Sequence[bytes]) -> None:
+        """The transfer's blocks are this engine's in its ledger (those no other transfer holds)."""
+        if self.ledger is None or self.owner is None:
+            return
+        for k in keys:
+            if not self.ledger.knows(k):
+                self.ledger.register(k, self.owner, lifetime=Lifetime.REQUEST)
+
+    def _forget(self, keys: Sequence[bytes]) -> None:
+        """A transfer that did not commit: its blocks (given back to this engine) leave the ledger."""
+        if self.ledger is None or self.owner is None:
+            return
+        for k in keys:
+            if self.ledger.knows(k) and self.ledger.owner_of(k) == self.owner:
+                with contextlib.suppress(KVPortError):
+                    self.ledger.forget(k)
 
     def begin(self, copies: Sequence[StreamCopy]) -> None:
         for sc in copies:
@@ -535,7 +525,8 @@ class StreamOut:
             meta = TransferMeta(self.spec, sc.stream, keys, token_start=sc.first_block * self.spec.block_size)
             sender = None
             try:
-                sender = self._connect(sc.dest)
+                sender = self.dialer.sender(sc.dest)
+                self._register(keys)
                 # the decode engine's receiver answers at once; a step never waits long on one that does not
                 h = sender.begin(meta, timeout_s=min(1.0, self.tail_s), deadline=Deadline.after(self.max_s))
             except (KVPortError, OSError, ValueError) as exc:
@@ -543,6 +534,7 @@ class StreamOut:
                             sc.copy.req_id, sc.dest, type(exc).__name__, exc)
                 if sender is not None:
                     sender.close()
+                self._forget(keys)
                 STREAM_OUTCOMES.labels(outcome="failed").inc()
                 self._failed.append(sc)
                 continue
@@ -577,25 +569,20 @@ class StreamOut:
                 STREAM_OUTCOMES.labels(outcome="failed").inc()
                 o.sender.abort(o.h, f"stream failed: {exc}")  # best effort: the link may be gone (EOF aborts)
                 o.sender.close()
+                self._forget(o.h.meta.block_keys)
                 failed.append(o.sc)
                 continue
             STREAM_OUTCOMES.labels(outcome="committed").inc()
             committed.append(o.sc)
-            pool = self._idle.setdefault(o.sc.dest, [])
-            if len(pool) < 4:
-                pool.append(o.sender)
-            else:
-                o.sender.close()
+            self.dialer.keep(o.sc.dest, o.sender)
         return committed, failed
 
     def close(self) -> None:
         for o in self._open:
             o.sender.close()
+            self._forget(o.h.meta.block_keys)
         self._open = []
-        for pool in self._idle.values():
-            for s in pool:
-                s.close()
-        self._idle.clear()
+        self.dialer.close()
 
 
 __all__ = [

@@ -355,15 +355,17 @@ class AsyncLoads:
         while (item := self._keeps.get()) is not None and inbox is not None:
             rid, parent, held = item
             t0 = time.perf_counter()
+            kept = False
             try:
                 for key, slot in held:
                     fmt.seal(inbox.slot_view(slot), key)
                 self.mover.store.put_many([(key, inbox.slot_view(slot)) for key, slot in held], parent=parent)
+                kept = True
                 _BLOCKS.labels(op="kept").inc(len(held))
             except KVPortError as exc:
                 log.warning("kvport: streamed blocks of %s not kept in the store (%s)", rid, exc)
-            finally:
-                inbox.release([slot for _, slot in held])
+            finally:  # kept: the engine's ledger records them handed to the pool
+                inbox.release([slot for _, slot in held], kept=kept)
                 SECONDS.labels(op="keep_streamed").inc(time.perf_counter() - t0)
 
     def _load(self, c: BlockCopy) -> list[int]:

@@ -44,8 +44,8 @@ from kvport.bench.faults_oracle import Oracle, compare
 from kvport.bench.faults_router import Answer
 from kvport.bench.faults_store import STORE_CLASSES
 from kvport.bench.harness import Report, SuiteOptions, conditions, finish
-from kvport.bench.limits import raw_socket_gbps
 from kvport.errors import ConfigError, KVPortError
+from kvport.evidence.limits import raw_socket_gbps
 
 # link classes, then storage classes, then those that need processes set up their own way
 ORDER: tuple[type[FaultClass], ...] = tuple(c for c in (*LINK_CLASSES, *STORE_CLASSES) if c.setup == Setup()) + \

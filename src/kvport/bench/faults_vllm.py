@@ -44,9 +44,9 @@ from typing import Any
 from kvport.bench.faults_procs import ProxyProc, ServerProc, Tmpfs, free_port
 from kvport.bench.faults_proxy import SPEC_CHANGES
 from kvport.bench.harness import Report, SuiteOptions, conditions, finish
-from kvport.bench.limits import raw_socket_gbps
 from kvport.bench.pd import Answer, completion_body, metric, prompt_tokens, request, same_answer
 from kvport.errors import ConfigError, KVPortError
+from kvport.evidence.limits import raw_socket_gbps
 from kvport.protocol.frame import MsgType
 from kvport.spec import KVSpec
 

@@ -33,13 +33,13 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvport.bench.limits import raw_socket_gbps
 from kvport.config import Settings
 from kvport.demo import decode_worker, messages, prefill_worker
 from kvport.demo.quiet import quiet_transformers
 from kvport.demo.report import Turn, render, summarize
 from kvport.demo.workload import Conversation, Workload, default_workload
 from kvport.errors import KVPortError, PeerError
+from kvport.evidence.limits import raw_socket_gbps
 from kvport.spec import DType, from_hf_config
 
 

@@ -23,7 +23,7 @@ def _suite(module: str, *keys: str) -> Suite:
 
 SUITES: dict[str, Suite] = {
     "codec": _suite("codec", "codecs", "tokens", "windows"),
-    "faults": _suite("faults", "classes", "control", "engine", "hang_s", "injections", "max_new_tokens",
+    "faults": _suite("faults.suite", "classes", "control", "engine", "hang_s", "injections", "max_new_tokens",
                      "max_tokens", "min_tokens", "progress", "seed"),
     "hash": _suite("hash"),
     "pd": _suite("pd", "answer_tokens", "chats", "keep", "overload_requests", "peer", "prompt_tokens", "prompts",

@@ -1,4 +1,4 @@
-"""The fault benchmark's router: the demo's real workers, their transfer link, one request at a time.
+"""The fault benchmark's router: the real workers (kvport.workers), their transfer link, one request at a time.
 
 ::
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvport.bench.faults_procs import Netns, ProxyProc
+from kvport.bench.faults.procs import Netns, ProxyProc
 from kvport.errors import KVPortError, PeerError
 from kvport.workers import messages
 from kvport.workers.decode import main as decode_main
@@ -112,7 +112,7 @@ class Answer:
 
 
 class Workers:
-    """The demo's prefill and decode worker processes, connected through a :class:`Link`."""
+    """The prefill and decode worker processes (the demo's), connected through a :class:`Link`."""
 
     def __init__(self, model_dir: Path, threads: int = 1, budget_bytes: int = 4 << 20) -> None:
         self.model_dir, self.threads, self.budget = model_dir, threads, budget_bytes

@@ -27,7 +27,7 @@ Fair comparisons (same process layout, same bytes, same buffers, trials interlea
   here has no transparent huge pages). The unregistered path (copy in, copy out through the ring)
   is reported as ``shm_ring_copy_*``.
 * Ideal lower bound: size / raw bandwidth (the calculator's transfer time) beside the measured time.
-* Layer-wise overlap (``results.layerwise``, :func:`kvport.transfer.loadtest.layerwise_overlap`): the
+* Layer-wise overlap (``results.layerwise``, :func:`kvport.bench.transfer_load.layerwise_overlap`): the
   producer's compute is the reference model's real decoder-layer forward of a 2048-token prompt
   (``--quick``: 256; ``--set layerwise_tokens=N``), fp32 on the suite's one torch thread, each layer's
   KV sent while the next computes, over a link balanced against the measured layer compute.
@@ -49,6 +49,7 @@ import numpy as np
 
 from kvport import memops
 from kvport.bench.harness import Report, SuiteOptions, conditions, finish
+from kvport.bench.transfer_load import SleepCompute, layerwise_overlap, overload
 from kvport.config import Settings
 from kvport.errors import UserInputError
 from kvport.evidence.limits import memcpy_gbps, raw_socket_gbps
@@ -57,7 +58,6 @@ from kvport.spec import DType, KVSpec, from_hf_config, from_preset
 from kvport.transfer import BlockTableDestination, Receiver, Sender, TransferMeta
 from kvport.transfer import shm as shm_mod
 from kvport.transfer import tcp as tcp_mod
-from kvport.transfer.loadtest import SleepCompute, layerwise_overlap, overload
 
 _RAW_CHUNK = 4 << 20
 _FRAME = 4 << 20  # TCP LAYER frames: the raw baseline's sendall size

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvport.bench.faults_oracle import TOLERANCE, Expected, compare
-from kvport.bench.faults_procs import ProxyProc
-from kvport.bench.faults_proxy import SPEC_CHANGES, rewrite_begin
+from kvport.bench.faults.oracle import TOLERANCE, Expected, compare
+from kvport.bench.faults.procs import ProxyProc
+from kvport.bench.faults.proxy import SPEC_CHANGES, rewrite_begin
 from kvport.bench.harness import SuiteOptions
 from kvport.errors import ChecksumError, ConfigError, IncompatibleSpecError, ProtocolError, TransferError
 from kvport.protocol.frame import MsgType
@@ -97,7 +97,7 @@ def test_proxy_spec_rewrite_is_refused_before_any_payload() -> None:
 
 
 def test_unknown_fault_class_is_a_config_error() -> None:
-    from kvport.bench.faults import run
+    from kvport.bench.faults.suite import run
 
     with pytest.raises(ConfigError, match="no_such_fault"):
         run(SuiteOptions(quick=True, extra={"classes": "no_such_fault"}))
@@ -107,7 +107,7 @@ def test_unknown_fault_class_is_a_config_error() -> None:
 def test_faults_suite_subset_keeps_every_answer_right(model_dir: Path) -> None:
     """Three classes, one injection each, on the real workers, server and proxy: the report's shape,
     and what each promise says: right answers, nothing hung, nothing committed lost."""
-    from kvport.bench.faults import run
+    from kvport.bench.faults.suite import run
 
     classes = ("wire_checksum", "spec_mismatch", "disk_missing")
     rep = run(SuiteOptions(quick=True, extra={"classes": ",".join(classes), "injections": 1, "control": 1,
@@ -131,7 +131,7 @@ def test_the_vllm_rows_keep_every_answer_right(model_dir: Path) -> None:
     """Three of the vLLM rows, one injection each, on real vllm serve engines behind kvport proxy: the
     stream cut and refused whole go through the store (nothing recomputed, nothing lost), a reused
     stream id links nothing; every answer equals the decode engine computing from scratch."""
-    from kvport.bench.faults import run
+    from kvport.bench.faults.suite import run
 
     classes = ("stream_cut", "spec_mismatch", "stream_reused")
     rep = run(SuiteOptions(quick=True, extra={"engine": "vllm", "classes": ",".join(classes), "injections": 1,

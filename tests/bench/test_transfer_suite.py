@@ -5,10 +5,10 @@ import pytest
 
 from kvport.bench.harness import SuiteOptions
 from kvport.bench.transfer import ModelLayerCompute, _layerwise
+from kvport.bench.transfer_load import SleepCompute, layerwise_overlap, pipeline_bound
 from kvport.cli.main import main
 from kvport.errors import UserInputError
 from kvport.spec import DType, from_hf_config
-from kvport.transfer.loadtest import SleepCompute, layerwise_overlap, pipeline_bound
 
 
 @pytest.mark.slow

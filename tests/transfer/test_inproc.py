@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvport.bench.transfer_load import tcp_pair
 from kvport.codec import get_codec
 from kvport.errors import (
     AuthError,
@@ -40,7 +41,6 @@ from kvport.transfer import (
     shm,
 )
 from kvport.transfer import tcp as tcp_mod
-from kvport.transfer.loadtest import tcp_pair
 from kvport.transfer.ratelimit import RateLimited, TokenBucket
 from kvport.transfer.sender import LayerStreamer
 
@@ -303,7 +303,7 @@ def test_backpressure_timeout_returns_credits() -> None:
 
 
 def test_overload_backpressure_keeps_memory_and_blocks() -> None:
-    from kvport.transfer.loadtest import overload
+    from kvport.bench.transfer_load import overload
 
     on = overload(backpressure=True, duration_s=0.6, capacity_bps=32e6)
     off = overload(backpressure=False, duration_s=0.6, capacity_bps=32e6)

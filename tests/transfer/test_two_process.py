@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvport.bench.transfer_load import scenario_spec
 from kvport.errors import ChecksumError, PeerError, ProtocolError, TransferError
 from kvport.ledger import BlockState, Ledger
 from kvport.protocol.frame import VERSION, MsgType, encode_frame, frame_bytes
@@ -20,7 +21,6 @@ from kvport.tiers.host import HostTier
 from kvport.transfer import BlockTableDestination, Receiver, Sender, TransferMeta, host_tier_factory
 from kvport.transfer import shm as shm_mod
 from kvport.transfer import tcp as tcp_mod
-from kvport.transfer.loadtest import scenario_spec
 
 from . import peers
 

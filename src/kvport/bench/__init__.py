@@ -3,7 +3,25 @@
 Every suite returns a :class:`~kvport.bench.harness.Report` with ``suite``, ``conditions`` (machine,
 CPU count, load, versions, model, sizes), ``limits`` (physical limits measured *in the same run*)
 and ``results`` (ratios against those limits). What a suite did not measure is reported as
-``None`` ("unknown"), never guessed. Suites are imported lazily, by module path.
+``None`` ("unknown"), never guessed. Suites are imported lazily, by module path (:data:`SUITES`).
+The physical limits and timing are :mod:`kvport.evidence`, below this package. Modules::
+
+    harness        SuiteOptions, Report (suite, conditions, limits, results), conditions, finish
+    codec          size ratio, encode/decode speed and quality per codec
+    hash           chained block keys per second against raw xxh3-128
+    tiers          one request's KV through each tier next to the raw path
+    transfer       KV between two processes over TCP and shared memory against the raw link
+    transfer_load  the transfer suite's load scenarios on real sockets: layer-wise overlap, 3x overload
+    server         the shared tier under many loopback clients next to a raw socket server
+    planner        is the planner's choice the fastest option when every option is really run?
+    prefix         time to first token with a cached prefix against full recompute
+    trace          a Mooncake trace replayed through the store's eviction; hit rate against the optimum
+    pd             prefill/decode disaggregation in vLLM through kvport, against colocated and NIXL
+    soak           ownership under faults for N minutes (nothing leaks or is lost), then memory phases
+    soak_client    one client process of the soak
+    soak_server    the soak's ``kvport serve`` child and its sampled resident memory
+    soak_memory    the soak's memory phases: the server's RSS against its capacity
+    faults/        the fault benchmark (a package): no fault changes an answer, hangs or loses a commit
 """
 
 from __future__ import annotations
@@ -14,7 +32,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class Suite:
     module: str  # defines ``run(opts: SuiteOptions) -> Report``
-    keys: frozenset[str]  # the ``--set`` keys it (or a ``<module>_*`` helper of it) reads; any other is refused
+    keys: frozenset[str]  # the ``--set`` keys it (its ``<module>_*`` helpers, or its package) reads; others refused
 
 
 def _suite(module: str, *keys: str) -> Suite:
@@ -23,7 +41,7 @@ def _suite(module: str, *keys: str) -> Suite:
 
 SUITES: dict[str, Suite] = {
     "codec": _suite("codec", "codecs", "tokens", "windows"),
-    "faults": _suite("faults", "classes", "control", "engine", "hang_s", "injections", "max_new_tokens",
+    "faults": _suite("faults.suite", "classes", "control", "engine", "hang_s", "injections", "max_new_tokens",
                      "max_tokens", "min_tokens", "progress", "seed"),
     "hash": _suite("hash"),
     "pd": _suite("pd", "answer_tokens", "chats", "keep", "overload_requests", "peer", "prompt_tokens", "prompts",

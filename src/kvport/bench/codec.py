@@ -19,13 +19,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvport.bench.harness import Report, SuiteOptions, conditions, finish, gbps, ratio, time_it
-from kvport.bench.limits import memcpy_gbps
+from kvport.bench.harness import Report, SuiteOptions, conditions, finish
 from kvport.codec import Codec, KVShape, codec_ids, get_codec
 from kvport.config import Settings
 from kvport.eval import QualityOptions, evaluate
 from kvport.eval.attention import capture_kv
 from kvport.eval.texts import windows
+from kvport.evidence.limits import memcpy_gbps
+from kvport.evidence.timing import gbps, ratio, time_it
 from kvport.refmodel import MODEL_ID, load
 from kvport.spec import DType
 

@@ -1,8 +1,8 @@
-"""What every benchmark report holds, and the timing helpers suites share.
+"""What every benchmark report holds: the suite's options, and its conditions, limits and results.
 
-Timing rule for this small, noisy machine: one thread on copy paths, buffers allocated once and
-reused, several trials with the median reported next to min and max, and the load average recorded
-at start and end so a noisy run can be recognised.
+The load average is recorded at start (:func:`conditions`) and end (:func:`finish`) so a noisy run
+can be recognised; timing and rates are :mod:`kvport.evidence.timing`, the physical limits
+:mod:`kvport.evidence.limits`.
 """
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -110,41 +108,3 @@ def conditions(**extra: Any) -> dict[str, Any]:
 def finish(report: Report) -> Report:
     report.conditions["loadavg_end"] = list(os.getloadavg())
     return report
-
-
-@dataclass(frozen=True, slots=True)
-class Timing:
-    median_s: float
-    min_s: float
-    max_s: float
-    trials: int
-
-    def rate(self, amount: float) -> float:
-        """amount per second at the median time."""
-        return amount / self.median_s
-
-    def as_dict(self) -> dict[str, float]:
-        return {"median_s": self.median_s, "min_s": self.min_s, "max_s": self.max_s, "trials": self.trials}
-
-
-def time_it(fn: Callable[[], object], trials: int = 5, warmup: int = 1) -> Timing:
-    for _ in range(warmup):
-        fn()
-    ts: list[float] = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return Timing(statistics.median(ts), min(ts), max(ts), trials)
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    """Decimal GB/s."""
-    return nbytes / seconds / 1e9
-
-
-def ratio(measured: float | None, limit: float | None) -> float | None:
-    """measured / limit, or None (unknown) when either side was not measured."""
-    if measured is None or limit is None or limit <= 0:
-        return None
-    return round(measured / limit, 4)

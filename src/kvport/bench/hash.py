@@ -12,7 +12,8 @@ from functools import partial
 import numpy as np
 import xxhash
 
-from kvport.bench.harness import Report, SuiteOptions, conditions, finish, time_it
+from kvport.bench.harness import Report, SuiteOptions, conditions, finish
+from kvport.evidence.timing import time_it
 from kvport.keys import HashAlgo, KeyContext, chain_keys
 from kvport.spec import from_preset
 

@@ -77,8 +77,7 @@ from typing import Any
 
 import psutil
 
-from kvport.bench.harness import Report, SuiteOptions, conditions, finish, ratio
-from kvport.bench.limits import raw_socket_gbps
+from kvport.bench.harness import Report, SuiteOptions, conditions, finish
 from kvport.config import Settings
 from kvport.engines.vllm.deploy import (
     EngineServer,
@@ -92,6 +91,8 @@ from kvport.engines.vllm.deploy import (
     wait_all,
 )
 from kvport.errors import KVPortError, UserInputError
+from kvport.evidence.limits import raw_socket_gbps
+from kvport.evidence.timing import ratio
 
 MODEL = "kvport-model"
 BLOCK = 32

@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from kvport.bench.harness import Report, SuiteOptions, conditions, finish
-from kvport.bench.limits import memcpy_gbps
 from kvport.config import Settings
+from kvport.evidence.limits import memcpy_gbps
 from kvport.planner import Action, Cached, Freshness, Planner, Profile, Request, crossover, evaluate, hfkv, machine_id
 from kvport.planner.calibrate import PrefillPlan, measure_install, measure_link, prefill_model, reference_ids
 from kvport.planner.profile import PrefillModel

@@ -52,10 +52,11 @@ from typing import Any
 
 import numpy as np
 
-from kvport.bench.harness import Report, SuiteOptions, conditions, finish, gbps, ratio
-from kvport.bench.limits import memcpy_gbps
+from kvport.bench.harness import Report, SuiteOptions, conditions, finish
 from kvport.config import Settings
 from kvport.errors import KVPortError
+from kvport.evidence.limits import memcpy_gbps
+from kvport.evidence.timing import gbps, ratio
 
 
 def _t(fn: Callable[[], object]) -> float:

@@ -2,7 +2,7 @@
 
 One real ``kvport serve`` child process (host + disk tiers) and, in the same run:
 
-- limit: :class:`kvport.bench.limits.RawServer`, a plain Python socket server (a thread per
+- limit: :class:`kvport.evidence.rawserver.RawServer`, a plain Python socket server (a thread per
   connection, one reused buffer each: no framing, no checksums, no store) under the same load --
   16 clients in 4 processes, 40% PUT / 45% GET of 2-32 MiB, 15% pings, every socket tuned like
   kvport's -- for 2 s (1 s ``--quick``), measured between the steady windows: before the first and
@@ -62,11 +62,13 @@ import numpy as np
 import psutil
 import xxhash
 
-from kvport.bench.harness import Report, SuiteOptions, conditions, finish, gbps, ratio
-from kvport.bench.limits import RawServer, raw_socket_gbps
+from kvport.bench.harness import Report, SuiteOptions, conditions, finish
 from kvport.client.conn import ClientConfig
 from kvport.client.remote import RemoteTier
 from kvport.errors import BlockNotFoundError, KVPortError
+from kvport.evidence.limits import raw_socket_gbps
+from kvport.evidence.rawserver import RawServer
+from kvport.evidence.timing import gbps, ratio
 from kvport.server.app import DEFAULT_IO_THREADS
 from kvport.server.limits import Rejected
 

@@ -50,13 +50,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvport.bench.harness import Report, SuiteOptions, conditions, finish, ratio
-from kvport.bench.limits import raw_socket_gbps
+from kvport.bench.harness import Report, SuiteOptions, conditions, finish
 from kvport.bench.soak_memory import run_memory
 from kvport.bench.soak_server import SoakServer
 from kvport.client import ClientConfig, RemoteTier
 from kvport.config import subprocess_env
 from kvport.errors import ConfigError, KVPortError
+from kvport.evidence.limits import raw_socket_gbps
+from kvport.evidence.timing import ratio
 from kvport.lifetime import Lifetime
 
 MiB = 1 << 20

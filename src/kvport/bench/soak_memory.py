@@ -37,11 +37,11 @@ from typing import Any
 
 import numpy as np
 
-from kvport.bench.harness import ratio
 from kvport.bench.soak_server import SAMPLE_S, SoakServer
 from kvport.client import ClientConfig, RemoteTier
 from kvport.client.conn import ServerConn
 from kvport.errors import LeaseError, ProtocolError, ServerError
+from kvport.evidence.timing import ratio
 from kvport.protocol.errors import remote_error
 from kvport.protocol.frame import Flags, MsgType, encode_frame, frame_bytes
 from kvport.protocol.server import Get

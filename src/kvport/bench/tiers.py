@@ -31,10 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from kvport.bench.harness import Report, SuiteOptions, conditions, finish, gbps, ratio
-from kvport.bench.limits import drop_file_cache, raw_redis_gbps
+from kvport.bench.harness import Report, SuiteOptions, conditions, finish
 from kvport.config import Settings
 from kvport.errors import KVPortError
+from kvport.evidence.limits import raw_redis_gbps
+from kvport.evidence.pagecache import drop_file_cache
+from kvport.evidence.timing import gbps, ratio
 from kvport.spec import KVSpec, from_preset
 from kvport.tiers import DiskTier, HostTier, RedisTier, Tier
 

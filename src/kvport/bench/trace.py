@@ -39,9 +39,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvport.bench.harness import Report, SuiteOptions, conditions, finish, ratio
+from kvport.bench.harness import Report, SuiteOptions, conditions, finish
 from kvport.config import Settings
 from kvport.errors import UserInputError
+from kvport.evidence.timing import ratio
 from kvport.spec import from_preset
 from kvport.store.eviction import DEFAULT_POLICY, POLICIES, make_policy
 from kvport.store.index import TierIndex

@@ -13,7 +13,7 @@ Fair comparisons (same process layout, same bytes, same buffers, trials interlea
   batches hashed right before each send; with more than two CPUs the hashing overlaps the socket
   calls, see ``protocol.sync``). ``tcp_producer_digests_*`` is the same transfer with checksums the
   producer already had (``send_layer(..., digests=)``, nothing hashed at send): what the sender's
-  hashing costs. The generic ``bench.limits.raw_socket_gbps`` (4 MiB reused receive buffer, system
+  hashing costs. The generic ``evidence.limits.raw_socket_gbps`` (4 MiB reused receive buffer, system
   socket defaults) is reported beside it.
 * Shared memory: the producer's KV lives in memory registered with the transport (one copy in all:
   the receiver copies and verifies it into its block table, see ``transfer.shm``). The producer
@@ -23,11 +23,11 @@ Fair comparisons (same process layout, same bytes, same buffers, trials interlea
   ``shm_hash_at_send_*`` is the same transfer with the sender hashing every chunk, out of RAM, at
   each send. ``shm_vs_memcpy`` compares with
   numpy memcpy of the same bytes (from those shared pages into private memory, interleaved trials), and
-  ``shm_vs_memcpy_limit`` with ``bench.limits.memcpy_gbps`` (private, huge-page backed buffers; tmpfs
+  ``shm_vs_memcpy_limit`` with ``evidence.limits.memcpy_gbps`` (private, huge-page backed buffers; tmpfs
   here has no transparent huge pages). The unregistered path (copy in, copy out through the ring)
   is reported as ``shm_ring_copy_*``.
 * Ideal lower bound: size / raw bandwidth (the calculator's transfer time) beside the measured time.
-* Layer-wise overlap (``results.layerwise``, :func:`kvport.transfer.loadtest.layerwise_overlap`): the
+* Layer-wise overlap (``results.layerwise``, :func:`kvport.bench.transfer_load.layerwise_overlap`): the
   producer's compute is the reference model's real decoder-layer forward of a 2048-token prompt
   (``--quick``: 256; ``--set layerwise_tokens=N``), fp32 on the suite's one torch thread, each layer's
   KV sent while the next computes, over a link balanced against the measured layer compute.
@@ -48,15 +48,16 @@ from typing import Any
 import numpy as np
 
 from kvport import memops
-from kvport.bench.harness import Report, SuiteOptions, conditions, finish, gbps, ratio
-from kvport.bench.limits import memcpy_gbps, raw_socket_gbps
+from kvport.bench.harness import Report, SuiteOptions, conditions, finish
+from kvport.bench.transfer_load import SleepCompute, layerwise_overlap, overload
 from kvport.config import Settings
 from kvport.errors import UserInputError
+from kvport.evidence.limits import memcpy_gbps, raw_socket_gbps
+from kvport.evidence.timing import gbps, ratio
 from kvport.spec import DType, KVSpec, from_hf_config, from_preset
 from kvport.transfer import BlockTableDestination, Receiver, Sender, TransferMeta
 from kvport.transfer import shm as shm_mod
 from kvport.transfer import tcp as tcp_mod
-from kvport.transfer.loadtest import SleepCompute, layerwise_overlap, overload
 
 _RAW_CHUNK = 4 << 20
 _FRAME = 4 << 20  # TCP LAYER frames: the raw baseline's sendall size

@@ -20,11 +20,8 @@ survives in the shared tier. Everything runs with embedded defaults (no external
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import tempfile
-import time
 from dataclasses import dataclass
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +30,16 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvport.bench.limits import raw_socket_gbps
 from kvport.config import Settings
-from kvport.demo import decode_worker, messages, prefill_worker
-from kvport.demo.quiet import quiet_transformers
 from kvport.demo.report import Turn, render, summarize
-from kvport.demo.workload import Conversation, Workload, default_workload
 from kvport.errors import KVPortError, PeerError
+from kvport.evidence.limits import raw_socket_gbps
 from kvport.spec import DType, from_hf_config
+from kvport.workers.decode import main as decode_main
+from kvport.workers.prefill import main as prefill_main
+from kvport.workers.process import Worker
+from kvport.workers.quiet import quiet_transformers
+from kvport.workers.workload import Conversation, Workload, default_workload
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,57 +52,6 @@ class DemoOptions:
     receive_budget_bytes: int = 4 << 20  # decode worker's receive buffer: the credit budget
     measure_link: bool = True  # raw socket bandwidth for the ideal bound (off: the bound is reported None)
     show_progress: bool = True
-
-
-class _Worker:
-    """A spawned worker process and its control pipe."""
-
-    def __init__(self, name: str, target: Any, cfg: dict[str, Any]) -> None:
-        ctx = mp.get_context("spawn")
-        self.name = name
-        self.conn, child = ctx.Pipe()
-        self.proc: BaseProcess = ctx.Process(target=target, args=(child, cfg), name=name, daemon=True)
-        self.proc.start()
-        child.close()
-
-    def ready(self, timeout_s: float) -> dict[str, Any]:
-        msg = self.recv(timeout_s)
-        if not msg.get("ok"):
-            raise PeerError(f"{self.name} failed to start: {msg.get('error')}")
-        return msg
-
-    def recv(self, timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.conn.poll(0.2):
-                return messages.recv(self.conn)
-            if not self.proc.is_alive():
-                raise PeerError(f"{self.name} exited (code {self.proc.exitcode})")
-        raise PeerError(f"{self.name}: no answer within {timeout_s} s")
-
-    def call(self, msg: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
-        self.send(msg)
-        ans = self.recv(timeout_s)
-        if not ans.get("ok"):
-            raise PeerError(f"{self.name}: {ans.get('error')}")
-        return ans
-
-    def send(self, msg: dict[str, Any]) -> None:
-        messages.send(self.conn, msg)
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.terminate()
-        self.proc.join(10)
-        self.conn.close()
-
-    def stop(self) -> None:
-        try:
-            if self.proc.is_alive():
-                self.call({"op": "stop"}, timeout_s=20)
-        except (KVPortError, OSError):
-            pass
-        self.kill()
 
 
 def _baseline(model_dir: Path, wl: Workload, threads: int, progress: Progress | None) -> tuple[list[Turn], Any]:
@@ -154,7 +102,7 @@ def run(opts: DemoOptions | None = None, json_path: Path | None = None,
             console=console, disable=not opts.show_progress, transient=False) as progress:
         setup = progress.add_task("start: shared tier, prefill and decode workers", total=4)
         shared = SharedTier(Path(tmp) / "shared")
-        workers: list[_Worker] = []
+        workers: list[Worker] = []
         turns: list[Turn] = []
         raw_gbps: float | None = None
         try:
@@ -168,8 +116,8 @@ def run(opts: DemoOptions | None = None, json_path: Path | None = None,
                     "peer": "prefill", "load_deadline": deadline_cfg}
             pcfg = {"model_dir": str(model_dir), "shared_port": port, "threads": opts.threads,
                     "host_bytes": 256 << 20, "owner": "prefill", "load_deadline": deadline_cfg}
-            pw = _Worker("prefill-worker", prefill_worker.main, pcfg)
-            dw = _Worker("decode-worker", decode_worker.main, dcfg)
+            pw = Worker("prefill-worker", prefill_main, pcfg)
+            dw = Worker("decode-worker", decode_main, dcfg)
             workers += [pw, dw]
             pw.ready(600)
             progress.advance(setup)
@@ -208,7 +156,7 @@ def run(opts: DemoOptions | None = None, json_path: Path | None = None,
                     dw.kill()
                     workers.remove(dw)
                     dcfg = {**dcfg, "owner": f"decode-{restarts + 2}"}  # a new engine: a new owner
-                    dw = _Worker("decode-worker", decode_worker.main, dcfg)
+                    dw = Worker("decode-worker", decode_main, dcfg)
                     workers.append(dw)
                     dport = int(dw.ready(600)["port"])
                     pw.call({"op": "connect", "port": dport, "peer": dcfg["owner"]})

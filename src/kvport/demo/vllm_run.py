@@ -34,7 +34,6 @@ from rich.table import Table
 from kvport.bench.harness import conditions
 from kvport.bench.pd import chat_body, prompt_tokens, request, same_answer
 from kvport.config import Settings
-from kvport.demo.workload import default_workload
 from kvport.engines.vllm.deploy import (
     EngineServer,
     KVPortServer,
@@ -45,6 +44,7 @@ from kvport.engines.vllm.deploy import (
     wait_all,
 )
 from kvport.errors import KVPortError
+from kvport.workers.workload import default_workload
 
 
 @dataclass(slots=True)

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from kvport.errors import KVPortError, PlanInputError, ProfileError
+from kvport.evidence.pagecache import drop_file_cache
 from kvport.planner import hfkv
 from kvport.planner.fit import fit_prefill
 from kvport.planner.profile import CodecCost, Link, LinkKind, PrefillModel, PrefillPoint, Profile, machine_id
@@ -153,11 +154,7 @@ def measure_disk_tier(folder: Path, nbytes: int = 64 << 20, trials: int = 3) -> 
             os.fsync(f.fileno())
 
         def cold_read() -> float:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop_file_cache(path)
             t0 = time.perf_counter()
             with open(path, "rb", buffering=0) as f:
                 f.readinto(dst.data)

@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvport.evidence.pagecache import drop_file_cache
+
 CONNECTOR = "KVPortConnector"
 CONNECTOR_MODULE = "kvport.engines.vllm.connector"
 
@@ -83,12 +85,7 @@ def _drop_cache(folder: Path) -> None:
     """posix_fadvise(DONTNEED) every file of the tier folder: the next load reads the disk."""
     for p in folder.rglob("*"):
         if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop_file_cache(p)
 
 
 def run(job: EngineJob) -> dict[str, Any]:

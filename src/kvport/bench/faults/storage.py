@@ -31,9 +31,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import ClassVar
 
-from kvport.bench.faults_classes import GET, FaultClass, Injection, wait_event
-from kvport.bench.faults_env import Env, ServerProfile, Setup
-from kvport.bench.faults_router import Answer
+from kvport.bench.faults.classes import GET, FaultClass, Injection, wait_event
+from kvport.bench.faults.env import Env, ServerProfile, Setup
+from kvport.bench.faults.router import Answer
 from kvport.errors import KVPortError
 from kvport.lifetime import Lifetime
 from kvport.protocol.rejects import Rejected

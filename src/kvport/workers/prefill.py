@@ -43,9 +43,6 @@ from kvport.client.port import StoreConfig, open_store
 from kvport.client.remote import RemoteTier
 from kvport.codec.envelope import stored_bytes
 from kvport.deadline import DeadlinePolicy
-from kvport.demo import messages
-from kvport.demo.calibrate import quick_profile
-from kvport.demo.quiet import quiet_transformers
 from kvport.engines.hf import HFEngine, StoreBlocks
 from kvport.errors import DeadlineExceeded, KVPortError, PeerError
 from kvport.keys import chain_keys
@@ -56,6 +53,9 @@ from kvport.spec import DType, from_hf_config
 from kvport.transfer import Backpressure, Rejected, RejectReason, Sender, TransferMeta
 from kvport.transfer.sender import Outgoing
 from kvport.transfer.tcp import connect
+from kvport.workers import messages
+from kvport.workers.calibrate import quick_profile
+from kvport.workers.quiet import quiet_transformers
 
 SHARED = "shared"
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvport.demo.workload import Conversation, default_workload
 from kvport.errors import ConfigError
+from kvport.workers.workload import Conversation, default_workload
 
 
 def test_turns_extend_each_other_and_share_the_system_prompt(model_dir: Path) -> None:

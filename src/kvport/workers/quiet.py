@@ -1,4 +1,4 @@
-"""Silence transformers' progress bars and info logs in the demo's processes (the report is the output)."""
+"""Silence transformers' progress bars and info logs in the workers and the demo (the report is the output)."""
 
 from __future__ import annotations
 

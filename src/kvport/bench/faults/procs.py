@@ -5,7 +5,7 @@
     ServerProc   ``python -m kvport.cli.serve_cmd`` on one fixed 127.0.0.1 port (a restart, or the next
                  class's server, takes the same port, so the workers' clients reconnect to it)
     RedisProc    ``redis-server`` without persistence on a free port (a restart is an empty Redis)
-    ProxyProc    :mod:`kvport.bench.faults_proxy`: JSON commands in, events out
+    ProxyProc    :mod:`kvport.bench.faults.proxy`: JSON commands in, events out
     Netns        a network namespace and a veth pair (10.77.0.1 here, 10.77.0.2 there); the link
                  between prefill and decode worker crosses it twice (see :class:`Netns`)
     Tmpfs        a small tmpfs for the server's ``--disk``, and a filler file that leaves it full
@@ -163,11 +163,11 @@ class RedisProc:
 
 
 class ProxyProc:
-    """A :mod:`kvport.bench.faults_proxy` process and its event stream."""
+    """A :mod:`kvport.bench.faults.proxy` process and its event stream."""
 
     def __init__(self, upstream: tuple[str, int], listen: str = "127.0.0.1:0", plain: bool = False,
                  netns: str | None = None) -> None:
-        cmd = [sys.executable, "-m", "kvport.bench.faults_proxy", "--listen", listen,
+        cmd = [sys.executable, "-m", "kvport.bench.faults.proxy", "--listen", listen,
                "--upstream", f"{upstream[0]}:{upstream[1]}", *(["--plain"] if plain else [])]
         if netns is not None:
             cmd = ["ip", "netns", "exec", netns, *cmd]

@@ -15,11 +15,11 @@ from kvport.deadline import DeadlinePolicy
 
 @pytest.mark.slow
 def test_a_stalled_transfer_ends_at_the_deadline_and_the_request_recomputes(model_dir: Path, tmp_path: Path) -> None:
-    from kvport.demo.decode_worker import DecodeWorker
     from kvport.demo.shared_tier import SharedTier
     from kvport.engines.hf import HFEngine
     from kvport.refmodel import load
     from kvport.spec import DType, from_hf_config
+    from kvport.workers.decode import DecodeWorker
 
     shared = SharedTier(tmp_path / "shared")
     port = shared.start()

@@ -1,5 +1,5 @@
 """The fault benchmark's TCP proxy: a process between a kvport client and its peer that understands
-kvport frames and does one armed thing to them (``python -m kvport.bench.faults_proxy``).
+kvport frames and does one armed thing to them (``python -m kvport.bench.faults.proxy``).
 
 ::
 
@@ -283,7 +283,7 @@ def _addr(text: str) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="kvport.bench.faults_proxy")
+    ap = argparse.ArgumentParser(prog="kvport.bench.faults.proxy")
     ap.add_argument("--listen", default="127.0.0.1:0")
     ap.add_argument("--upstream", required=True)
     ap.add_argument("--plain", action="store_true")

@@ -1,4 +1,4 @@
-"""The fault benchmark's router: the demo's real workers, their transfer link, one request at a time.
+"""The fault benchmark's router: the real workers (kvport.workers), their transfer link, one request at a time.
 
 ::
 
@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvport.bench.faults_procs import Netns, ProxyProc
-from kvport.demo import decode_worker, messages, prefill_worker
-from kvport.demo.run import _Worker
+from kvport.bench.faults.procs import Netns, ProxyProc
 from kvport.errors import KVPortError, PeerError
+from kvport.workers import messages
+from kvport.workers.decode import main as decode_main
+from kvport.workers.prefill import main as prefill_main
+from kvport.workers.process import Worker
 
 MAX_RETRIES = 2
 
@@ -110,14 +112,14 @@ class Answer:
 
 
 class Workers:
-    """The demo's prefill and decode worker processes, connected through a :class:`Link`."""
+    """The prefill and decode worker processes (the demo's), connected through a :class:`Link`."""
 
     def __init__(self, model_dir: Path, threads: int = 1, budget_bytes: int = 4 << 20) -> None:
         self.model_dir, self.threads, self.budget = model_dir, threads, budget_bytes
         self.cfg: WorkerConfig | None = None
         self.link: Link | None = None
-        self.pw: _Worker | None = None
-        self.dw: _Worker | None = None
+        self.pw: Worker | None = None
+        self.dw: Worker | None = None
         self.generation = 0
         self.starts = 0
 
@@ -148,9 +150,9 @@ class Workers:
             _kill(self.dw)
         if decode:
             self.generation += 1
-            self.dw = _Worker("decode-worker", decode_worker.main, self._dcfg(cfg))
+            self.dw = Worker("decode-worker", decode_main, self._dcfg(cfg))
         if prefill:
-            self.pw = _Worker("prefill-worker", prefill_worker.main, self._pcfg(cfg))
+            self.pw = Worker("prefill-worker", prefill_main, self._pcfg(cfg))
         self.starts += int(prefill) + int(decode)
         if prefill and self.pw is not None:
             self.pw.ready(600)
@@ -178,14 +180,14 @@ class Workers:
         self.pw = self.dw = None
 
 
-def _kill(w: _Worker) -> None:
+def _kill(w: Worker) -> None:
     if w.proc.is_alive() and w.proc.pid is not None:
         os.kill(w.proc.pid, signal.SIGKILL)
     w.proc.join(10)
     w.conn.close()
 
 
-def _wait(w: _Worker, role: str, hang_at: float) -> dict[str, Any]:
+def _wait(w: Worker, role: str, hang_at: float) -> dict[str, Any]:
     while True:
         try:
             if w.conn.poll(0.05):
@@ -198,7 +200,7 @@ def _wait(w: _Worker, role: str, hang_at: float) -> dict[str, Any]:
             raise Hung(role)
 
 
-def _send(w: _Worker, role: str, msg: dict[str, Any]) -> None:
+def _send(w: Worker, role: str, msg: dict[str, Any]) -> None:
     try:
         w.send(msg)
     except (OSError, KVPortError):

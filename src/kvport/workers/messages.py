@@ -1,4 +1,5 @@
-"""Control messages between the demo's router and its workers: msgpack maps over a pipe (no pickle).
+"""Control messages between a router (the demo's, the fault benchmark's) and the workers: msgpack
+maps over a pipe (no pickle).
 
 Every message is a map with an ``op`` string; answers carry ``ok`` and either results or ``error``.
 Lengths are capped on receipt (``MAX_MESSAGE_BYTES``); token lists travel as int lists.

@@ -1,16 +1,17 @@
 """``kvport bench faults``: no fault changes an answer, nothing hangs, nothing committed is lost.
 
-The demo's real processes on the reference model (SmolLM2-135M fp32, one thread each)::
+The demo's real worker processes (:mod:`kvport.workers`) on the reference model (SmolLM2-135M fp32,
+one thread each)::
 
     bench (router + oracle) --pipes--> prefill worker --TCP--> fault proxy [netns] --> decode worker
                                             |                                             |
                                             +---- kvport serve (host pool + disk) / Redis -+
 
-For each fault class (:mod:`kvport.bench.faults_classes`, :mod:`kvport.bench.faults_store`), for
+For each fault class (:mod:`kvport.bench.faults.link`, :mod:`kvport.bench.faults.storage`), for
 ``injections`` fresh chats (``--quick``: 3, else 20; ``--set injections=N``): the chat's turns run
 one request each through the workers, the fault injected at the real component into the last turn;
 every generated token and its logprob is compared with the oracle (plain transformers, computed
-once per prompt in this process: :mod:`kvport.bench.faults_oracle`). ``--set classes=a,b`` runs a
+once per prompt in this process: :mod:`kvport.bench.faults.oracle`). ``--set classes=a,b`` runs a
 subset; ``--set hang_s=S`` is the per-request deadline (default 60 s): a request not answered by
 then is hung, and faults that hold (a stopped server, a cut link) are lifted only after it.
 
@@ -23,7 +24,7 @@ after a worker died), ``hung``, ``lost_committed`` (the class's rule: docs/fault
 ``results.control``: the same chats with no fault. ``limits.raw_socket_gbps``: the loopback link
 measured in the same run (the decode worker's deadline scales the stream's bytes by it).
 
-``--set engine=vllm`` runs the vLLM rows instead (:mod:`kvport.bench.faults_vllm`): real ``vllm
+``--set engine=vllm`` runs the vLLM rows instead (:mod:`kvport.bench.faults.vllm`): real ``vllm
 serve`` prefill and decode engines behind ``kvport proxy``, the same fields per class.
 """
 
@@ -38,14 +39,15 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from kvport.bench.faults_classes import LINK_CLASSES, Control, FaultClass, Injection
-from kvport.bench.faults_env import Env, Setup, describe
-from kvport.bench.faults_oracle import Oracle, compare
-from kvport.bench.faults_router import Answer
-from kvport.bench.faults_store import STORE_CLASSES
+from kvport.bench.faults.classes import Control, FaultClass, Injection
+from kvport.bench.faults.env import Env, Setup, describe
+from kvport.bench.faults.link import LINK_CLASSES
+from kvport.bench.faults.oracle import Oracle, compare
+from kvport.bench.faults.router import Answer
+from kvport.bench.faults.storage import STORE_CLASSES
 from kvport.bench.harness import Report, SuiteOptions, conditions, finish
-from kvport.bench.limits import raw_socket_gbps
 from kvport.errors import ConfigError, KVPortError
+from kvport.evidence.limits import raw_socket_gbps
 
 # link classes, then storage classes, then those that need processes set up their own way
 ORDER: tuple[type[FaultClass], ...] = tuple(c for c in (*LINK_CLASSES, *STORE_CLASSES) if c.setup == Setup()) + \
@@ -232,11 +234,11 @@ def _classes(opts: SuiteOptions) -> list[type[FaultClass]]:
 def run(opts: SuiteOptions) -> Report:
     engine = opts.extra.get("engine", "transformers")
     if engine == "vllm":  # the vLLM rows: real vllm serve engines behind kvport proxy
-        from kvport.bench import faults_vllm
+        from kvport.bench.faults import vllm
 
-        return faults_vllm.run(opts)
+        return vllm.run(opts)
     if engine != "transformers":
-        raise ConfigError(f"--set engine={engine!r}: expected transformers (the demo's workers) or vllm")
+        raise ConfigError(f"--set engine={engine!r}: expected transformers (the kvport.workers processes) or vllm")
     from kvport.config import Settings
     from kvport.refmodel import prepare
     from kvport.spec import DType, from_hf_config

@@ -28,9 +28,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvport.bench.faults_oracle import Chat, Oracle
-from kvport.bench.faults_procs import Netns, ProxyProc, RedisProc, ServerProc, Tmpfs, free_port
-from kvport.bench.faults_router import Answer, Link, Router, WorkerConfig, Workers
+from kvport.bench.faults.oracle import Chat, Oracle
+from kvport.bench.faults.procs import Netns, ProxyProc, RedisProc, ServerProc, Tmpfs, free_port
+from kvport.bench.faults.router import Answer, Link, Router, WorkerConfig, Workers
 from kvport.client import ClientConfig, RemoteTier
 from kvport.errors import KVPortError
 from kvport.keys import KeyContext, chain_keys

@@ -1,4 +1,4 @@
-"""A quick calibration for the demo's planner (a few seconds), so a fresh machine decides from
+"""A quick calibration for the prefill worker's planner (a few seconds), so a fresh machine decides from
 measured numbers instead of the planner's safe default (recompute when it cannot vouch for a link).
 
 Measured here, on this machine, now: the reference model's prefill at four (start, end) points

@@ -1,4 +1,4 @@
-"""The demo's chat workload: one shared system prompt, several users, several rounds each.
+"""The chat workload of the demo and the fault benchmark: one shared system prompt, several users, several rounds each.
 
 Turns are built at the token level, the way a serving engine keeps a session::
 

@@ -2,7 +2,7 @@
 
 A chat is one user's conversation on the reference model (the demo's system prompt, then a question
 with a few sentences of context, 100-600 tokens); turn 2 extends turn 1's prompt and expected answer
-at the token level (:class:`kvport.demo.workload.Conversation`), so its KV is reusable block for block::
+at the token level (:class:`kvport.workers.workload.Conversation`), so its KV is reusable block for block::
 
     turn 1   chat_template(system, question 1 + context)                   -> answer 1 (oracle)
     turn 2   turn 1 + answer 1 + <|im_start|>user question 2 + context ... -> answer 2 (oracle)
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvport.demo.workload import SYSTEM_PROMPT, Conversation
+from kvport.workers.workload import SYSTEM_PROMPT, Conversation
 
 TOLERANCE = 1e-4  # |logprob(kvport) - logprob(oracle)| allowed per token (fp32 both sides)
 MIN_MARGIN = 1e-3  # top-1 minus top-2 logprob below which a chat is not used (a near tie)

@@ -43,8 +43,6 @@ from kvport.client.conn import ClientConfig
 from kvport.client.port import StoreConfig, open_store
 from kvport.codec.envelope import stored_bytes
 from kvport.deadline import DeadlinePolicy, within
-from kvport.demo import messages
-from kvport.demo.quiet import quiet_transformers
 from kvport.engines.hf import BlockLayout, HFEngine, Lifetime, StoreBlocks, dynamic_cache
 from kvport.errors import BufferMismatchError, DeadlineExceeded, KVPortError, PeerError, ProtocolError
 from kvport.ledger import Ledger, Owner
@@ -52,6 +50,8 @@ from kvport.spec import DType, from_hf_config
 from kvport.transfer import Backpressure, BlockTableDestination, Incoming, Receiver, TransferMeta
 from kvport.transfer.receiver import InState
 from kvport.transfer.tcp import TcpListener
+from kvport.workers import messages
+from kvport.workers.quiet import quiet_transformers
 
 T = TypeVar("T")
 _STEP_S = 0.1  # a receive waits in steps this long, watching for its request's deadline

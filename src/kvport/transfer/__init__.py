@@ -13,6 +13,10 @@ below this package. Modules, bottom to top::
     linkcodec    a codec per link: block-layers travel encoded
     sender | receiver   the two ends of a transfer: layer-wise streaming or whole blocks, every
                  (block, layer) verified exactly once, commits recorded as hand-offs between ledgers
+    handoff      the hand-off between engines: HandoffListener (a Receiver per authenticated
+                 connection, capped, transfer deadline) and HandoffDialer (pooled Senders to the
+                 deployment's destinations only), both ledgers recording it; records() asks a
+                 listener for its ledger's newest moves (``kvport inspect --handoff``)
 """
 
 from kvport.protocol.frame import Flags, Limits, MsgType

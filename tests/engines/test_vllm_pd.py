@@ -246,18 +246,39 @@ def test_bad_hand_offs_are_recomputed_never_a_wrong_token_and_the_reason_is_logg
 
 def test_a_streamed_hand_off_lands_in_the_decode_engine_and_only_its_own_stream_is_linked(pd: Deployment,
                                                                                          model_dir: Path) -> None:
+    from kvport.engines.vllm.deploy import deployment_secret
+    from kvport.transfer.handoff import records
+
     body = {"max_tokens": 8, "temperature": 0.0, "logprobs": 1, "model": MODEL}
     n = lambda p: (len(p) - 1) // BLOCK * BLOCK  # noqa: E731  # tokens a hand-off carries
     # streamed layer by layer into the decode engine's inbox during the prefill: every token loaded from it
     p = _prompt(11, 900)
     committed = _metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="committed")
+    handed = _metric(pd.prefill.url, "kvport_ledger_moves_total", move="handed_off")
     params = _prefill(pd, p, pd.inbox)
     assert len(params["kvport"]["stream"]) == 32
     assert _metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="committed") == committed + 1
+    # ownership on both sides: the producer's ledger handed every streamed block off to the decode engine ...
+    assert _metric(pd.prefill.url, "kvport_ledger_moves_total", move="handed_off") - handed == n(p) // BLOCK
+    spec = engine_spec(str(model_dir), dtype="float32", block_size=BLOCK)
+    keys = chain_keys(p, KeyContext(block_size=BLOCK, spec_fingerprint=spec.fingerprint))[: n(p) // BLOCK]
+    # ... and the decode engine's acquired them from it, with one transfer id (kvport inspect --handoff)
+    got = {r.key: r for r in records(pd.inbox, deployment_secret().encode()).records if r.move == "acquire"}
+    rows = [got.get(bytes(k).hex()) for k in keys]
+    assert all(r is not None for r in rows), "a streamed block has no ACQUIRE record on the decode side"
+    assert len({(r.owner_from, r.owner_to, r.tid) for r in rows if r is not None}) == 1
+    assert rows[0] is not None and rows[0].owner_from.startswith("engine:prefill@") and \
+        rows[0].owner_to.startswith("engine:decode@") and rows[0].tid
     ext = _external(pd.decode.url)
     assert _same(_completion(pd, p, params), pd.reference({**body, "prompt": p}, "streamed"))
     assert _external(pd.decode.url) - ext == n(p)
     assert _metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="taken") >= 1
+    # kept in the shared tier after the request's first step: handed to the pool, and the engine holds none
+    deadline = time.monotonic() + 15
+    while (ans := records(pd.inbox, deployment_secret().encode())).held or \
+            not {bytes(k).hex() for k in keys} <= {r.key for r in ans.records if r.move == "share"}:
+        assert time.monotonic() < deadline, f"the decode engine still holds {ans.held} blocks"
+        time.sleep(0.1)
     # the same prompt again (repeated prefixes): the decode engine's own cache holds it, so nothing takes the
     # new stream; it is released at once, never left to lapse holding the inbox's room (issue 25, defect 12)
     discarded = _metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="discarded")
@@ -267,8 +288,6 @@ def test_a_streamed_hand_off_lands_in_the_decode_engine_and_only_its_own_stream_
     assert _metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="discarded") == discarded + 1
     assert _metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="lapsed") == lapsed
     # the decode engine kept the streamed blocks in the shared tier: any engine's next prefill finds them
-    spec = engine_spec(str(model_dir), dtype="float32", block_size=BLOCK)
-    keys = chain_keys(p, KeyContext(block_size=BLOCK, spec_fingerprint=spec.fingerprint))[: n(p) // BLOCK]
     tier = pd.server.client()
     try:
         deadline = time.monotonic() + 15

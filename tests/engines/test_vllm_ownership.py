@@ -173,3 +173,25 @@ def test_the_decode_engine_s_hand_off_ledger_answers_who_handed_it_what(
     assert main(["inspect", "--handoff", srv.address, "--owners", bytes(keys[1]).hex()[:6], "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["owner"] == str(DECODE) and [r["key"] for r in shown["records"]] == [bytes(keys[1]).hex()]
+
+
+def test_two_requests_of_one_step_that_share_a_prefix_both_stream(
+        engines: tuple[StreamOut, Inbox, InboxServer]) -> None:
+    """Every prompt block goes to the decode engine under its request's stream, so a shared prefix is in
+    two open transfers at once: the second is recorded in a ledger of its own and streams too (it used
+    to fail on the engine's ledger, where a block is in one transfer at a time, and go to the store)."""
+    out, box, srv = engines
+    assert out.ledger is not None and box.ledger is not None
+    shared = chain_keys(list(range(8)), CTX)
+    a, b = new_stream_id(), new_stream_id()
+    copies = [StreamCopy(a, srv.address, BlockCopy("ra", tuple(shared), (1, 2)), 0),
+              StreamCopy(b, srv.address, BlockCopy("rb", tuple(shared), (1, 2)), 0)]
+    assert stream_all(out, copies) == []  # both committed
+    assert out.transfer_ledgers == 1 and len(out.ledger) == 0
+    tids = {r.tid for r in out.ledger.history if r.move is Move.HANDED_OFF}
+    assert len(tids) == 1  # the engine's ledger recorded the first; the second had its own
+    for sid in (a, b):
+        slots, why = box.take(sid, list(shared), Deadline.after(2.0))
+        assert why == "" and len(slots) == 2
+        box.release(slots)
+    assert len(box.ledger) == 0 and box.free_blocks == box.capacity

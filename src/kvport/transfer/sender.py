@@ -115,6 +115,7 @@ class Outgoing:
     layers_sent: set[int] = field(default_factory=set)
     link: LinkCodec | None = None  # the link's codec: block-layers are encoded before they go out
     deadline: Deadline | None = None  # nothing of this transfer waits past it (credits, answers, writes)
+    ledger: Ledger | None = None  # the ledger recording this transfer (the sender's, unless begin named one)
 
     def _move(self, to: OutState) -> None:
         if to not in _ALLOWED[self.state]:
@@ -222,22 +223,22 @@ class Sender:
         h.error = exc
         h._move(OutState.ABORTED)
         OUTCOMES.labels(role="sender", outcome=type(exc).__name__).inc()
-        if self.ledger is not None and h.ledger_open:
+        if h.ledger is not None and h.ledger_open:
             h.ledger_open = False
-            self.ledger.abort_transfer(h.ledger_tid)
+            h.ledger.abort_transfer(h.ledger_tid)
 
     def _committed(self, h: Outgoing, done: TransferCommitted) -> None:
         """TRANSFER_COMMITTED (callers hold ``_cond``): the owner that acquired the blocks must be the
         one that accepted them; the ledger then records HANDED_OFF to it."""
-        if self.ledger is not None and done.owner != h.peer_owner:
+        if h.ledger is not None and done.owner != h.peer_owner:
             self._fail(h, ProtocolError(f"transfer {h.tid} committed by {done.owner[:80]!r}, accepted by "
                                         f"{h.peer_owner[:80]!r}"))
             return
         h._move(OutState.COMMITTED)
         OUTCOMES.labels(role="sender", outcome="committed").inc()
-        if self.ledger is not None and h.ledger_open:
+        if h.ledger is not None and h.ledger_open:
             h.ledger_open = False
-            self.ledger.commit_transfer(h.ledger_tid)
+            h.ledger.commit_transfer(h.ledger_tid)
 
     def _wait(self, h: Outgoing, pred: Callable[[], bool], timeout: float | None, what: str) -> None:
         limit = timeout if h.deadline is None else h.deadline.timeout(timeout)
@@ -267,10 +268,12 @@ class Sender:
             return Rejected(RejectReason.PEER_FAILED, 1.0, f"connection failed: {self._dead}")
         return self.window.admission()
 
-    def begin(self, meta: TransferMeta, timeout_s: float | None = 30.0, deadline: Deadline | None = None) -> Outgoing:
+    def begin(self, meta: TransferMeta, timeout_s: float | None = 30.0, deadline: Deadline | None = None,
+              ledger: Ledger | None = None) -> Outgoing:
         """Announce a transfer and wait for the receiver's verdict (raises its refusal). With a ledger,
         the receiver's owner is checked and the blocks move to the transfer before this returns
-        (UnknownPeerError / IllegalMoveError abort it: nothing changes in the ledger).
+        (UnknownPeerError / IllegalMoveError abort it: nothing changes in the ledger). ``ledger``:
+        this transfer's own, instead of the sender's (a sender made with one only; the same owner).
 
         ``deadline`` (default: the caller's :func:`kvport.deadline.current`) bounds the whole
         transfer: every wait for an answer or for credits, and every socket write. Past it the
@@ -288,7 +291,10 @@ class Sender:
                 link = LinkCodec(self.codec, meta.spec)
                 meta = dataclasses.replace(meta, codec_id=self.codec.codec_id, codec_params=self.codec.params,
                                            chunk_bytes=link.chunk_bytes)
-            h = Outgoing(next(self._tids), meta, new_tid(), link=link, deadline=deadline)
+            if ledger is not None and self.ledger is None:
+                raise ConfigError("a transfer's own ledger needs a sender made with a ledger and its owner")
+            h = Outgoing(next(self._tids), meta, new_tid(), link=link, deadline=deadline,
+                         ledger=ledger if ledger is not None else self.ledger)
             self._current = h
         try:
             self._send(TransferBegin(h.tid, meta, "" if self.owner is None else str(self.owner), h.ledger_tid),
@@ -298,8 +304,8 @@ class Sender:
                 self._fail(h, exc)
             raise
         self._wait(h, lambda: h.state is OutState.ACCEPTED, timeout_s, "answer to TRANSFER_BEGIN")
-        if self.ledger is not None and self.owner is not None:
-            self._hand_to_transfer(h, self.ledger, self.owner)
+        if h.ledger is not None and self.owner is not None:
+            self._hand_to_transfer(h, h.ledger, self.owner)
         return h
 
     def _hand_to_transfer(self, h: Outgoing, ledger: Ledger, owner: Owner) -> None:
@@ -326,8 +332,10 @@ class Sender:
             raise UnknownPeerError(f"the receiver accepted as {name[:80]!r}, not a known peer") from exc
         if self.peer is not None and dst != self.peer:
             raise UnknownPeerError(f"the receiver accepted as {dst}, this sender hands off to {self.peer}")
-        if dst not in ledger.peers and (self.admit_peer is None or not self.admit_peer(dst)):
-            raise UnknownPeerError(f"the receiver accepted as {dst}, not a known peer of this ledger")
+        if dst not in ledger.peers:
+            if self.admit_peer is None or not self.admit_peer(dst):
+                raise UnknownPeerError(f"the receiver accepted as {dst}, not a known peer of this ledger")
+            ledger.add_peer(dst)  # admitted (into the sender's ledger): a transfer's own ledger knows it too
         return dst
 
     def send_layer(self, h: Outgoing, layer: int, blocks: Sequence[Buffer], digests: bytes | None = None) -> None:

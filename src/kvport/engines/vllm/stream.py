@@ -52,6 +52,7 @@ from kvport import metrics
 from kvport.deadline import Deadline
 from kvport.errors import ConfigError, KVPortError, TierFullError, TransferError
 from kvport.keys import BlockKey
+from kvport.ledger import Ledger
 from kvport.ledger.states import Owner
 from kvport.lifetime import Lifetime
 from kvport.protocol.transfer import TransferMeta
@@ -64,7 +65,6 @@ from .plan import StreamCopy
 from .stream_addr import DEST_KEY, parse_dest
 
 if TYPE_CHECKING:  # torch comes with the paged KV; the proxy imports this module without vLLM
-    from kvport.ledger import Ledger
 
     from .paged import PagedKV
 
@@ -473,6 +473,7 @@ class _Open:
     sender: Sender
     h: Outgoing
     streamer: LayerStreamer
+    ledger: Ledger | None = None  # the ledger recording it (the engine's, or its own: see StreamOut)
     layers: int = 0  # layers handed to the streamer so far
 
 
@@ -485,7 +486,11 @@ class StreamOut:
     ``owner`` (the producer engine's) each transfer's blocks are registered as the engine's, go to the
     transfer at the inbox's ACCEPT and are HANDED_OFF to the decode engine at its commit, with the
     transfer id both ledgers record; a transfer that fails gives them back, and they are forgotten
-    (saved to the store the old way). Every failure is returned by :meth:`finish` (or :meth:`begin`)
+    (saved to the store the old way). A block is in one transfer of a ledger at a time, and two
+    requests of one step that share a prefix stream it twice (every prompt block goes to the decode
+    engine under its request's stream): a transfer with a block another open transfer holds is
+    recorded in a ledger of its own (same owner, the same moves; ``transfer_ledgers`` counts them),
+    so it streams too. Every failure is returned by :meth:`finish` (or :meth:`begin`)
     as the copies to save; nothing here raises into vLLM's forward."""
 
     def __init__(self, spec: KVSpec, paged: PagedKV, secret: bytes | None, destinations: Iterable[str],
@@ -501,44 +506,52 @@ class StreamOut:
         self.destinations = self.dialer.destinations
         self._open: list[_Open] = []
         self._failed: list[StreamCopy] = []
+        self.transfer_ledgers = 0  # transfers recorded in a ledger of their own (a block another one held)
 
-    def _register(self, keys: Sequence[bytes]) -> None:
-        """The transfer's blocks are this engine's in its ledger (those no other transfer holds)."""
+    def _ledger_for(self, keys: Sequence[bytes]) -> Ledger | None:
+        """The ledger to record a transfer of ``keys`` in, its blocks registered there as this engine's:
+        the engine's, or one of the transfer's own when another open transfer holds one of them."""
         if self.ledger is None or self.owner is None:
-            return
+            return None
+        led = self.ledger
+        if any(led.knows(k) for k in keys):  # in another open transfer (settled ones left the ledger)
+            led = Ledger(owners=[self.owner], peers=self.ledger.peers)
+            self.transfer_ledgers += 1
         for k in keys:
-            if not self.ledger.knows(k):
-                self.ledger.register(k, self.owner, lifetime=Lifetime.REQUEST)
+            led.register(k, self.owner, lifetime=Lifetime.REQUEST)
+        return led
 
-    def _forget(self, keys: Sequence[bytes]) -> None:
+    def _forget(self, led: Ledger | None, keys: Sequence[bytes]) -> None:
         """A transfer that did not commit: its blocks (given back to this engine) leave the ledger."""
-        if self.ledger is None or self.owner is None:
+        if led is None or self.owner is None:
             return
         for k in keys:
-            if self.ledger.knows(k) and self.ledger.owner_of(k) == self.owner:
+            if led.knows(k) and led.owner_of(k) == self.owner:
                 with contextlib.suppress(KVPortError):
-                    self.ledger.forget(k)
+                    led.forget(k)
 
     def begin(self, copies: Sequence[StreamCopy]) -> None:
         for sc in copies:
             keys = tuple(bytes(k) for k in sc.copy.keys)
             meta = TransferMeta(self.spec, sc.stream, keys, token_start=sc.first_block * self.spec.block_size)
             sender = None
+            led = None
             try:
                 sender = self.dialer.sender(sc.dest)
-                self._register(keys)
+                led = self._ledger_for(keys)
                 # the decode engine's receiver answers at once; a step never waits long on one that does not
-                h = sender.begin(meta, timeout_s=min(1.0, self.tail_s), deadline=Deadline.after(self.max_s))
+                h = sender.begin(meta, timeout_s=min(1.0, self.tail_s), deadline=Deadline.after(self.max_s),
+                                 ledger=led)
             except (KVPortError, OSError, ValueError) as exc:
                 log.warning("kvport: stream of request %s to %s not started (%s: %s); saved to the store instead",
                             sc.copy.req_id, sc.dest, type(exc).__name__, exc)
                 if sender is not None:
                     sender.close()
-                self._forget(keys)
+                self._forget(led, keys)
                 STREAM_OUTCOMES.labels(outcome="failed").inc()
                 self._failed.append(sc)
                 continue
-            self._open.append(_Open(sc, sender, h, LayerStreamer(sender, h)))
+            self._open.append(_Open(sc, sender, h, LayerStreamer(sender, h), led))
 
     def layer(self, layer: int) -> None:
         """Layer ``layer`` of every open transfer's blocks: views of the paged KV, sent by each
@@ -569,7 +582,7 @@ class StreamOut:
                 STREAM_OUTCOMES.labels(outcome="failed").inc()
                 o.sender.abort(o.h, f"stream failed: {exc}")  # best effort: the link may be gone (EOF aborts)
                 o.sender.close()
-                self._forget(o.h.meta.block_keys)
+                self._forget(o.ledger, o.h.meta.block_keys)
                 failed.append(o.sc)
                 continue
             STREAM_OUTCOMES.labels(outcome="committed").inc()
@@ -580,7 +593,7 @@ class StreamOut:
     def close(self) -> None:
         for o in self._open:
             o.sender.close()
-            self._forget(o.h.meta.block_keys)
+            self._forget(o.ledger, o.h.meta.block_keys)
         self._open = []
         self.dialer.close()
 

@@ -119,7 +119,8 @@ def test_a_start_that_fails_half_way_leaves_nothing_open(tmp_path) -> None:  # t
         with pytest.raises(ConnectionRefusedError):  # its listener is closed
             socket.create_connection(("127.0.0.1", failed.port), timeout=5).close()
         rss = psutil.Process().memory_info().rss
-        ok = KVServer(dataclasses.replace(cfg, http_port=None, capacity_bytes=rss + 80 * MiB + 112 * MiB))  # the lock is free
+        # the lock is free
+        ok = KVServer(dataclasses.replace(cfg, http_port=None, capacity_bytes=rss + 80 * MiB + 112 * MiB))
         await ok.start()
         await ok.shutdown()
 

@@ -33,7 +33,7 @@ from kvport.bench.faults_env import Env, Setup
 from kvport.bench.faults_oracle import Chat
 from kvport.bench.faults_procs import ProxyProc
 from kvport.bench.faults_proxy import SPEC_CHANGES
-from kvport.bench.faults_router import Answer
+from kvport.bench.faults_router import RoutedAnswer
 from kvport.protocol.frame import MsgType
 
 LAYER, BEGIN, GET = int(MsgType.LAYER), int(MsgType.TRANSFER_BEGIN), int(MsgType.GET)
@@ -68,10 +68,10 @@ class FaultClass:
     def before(self, env: Env, inj: Injection) -> None:
         return None
 
-    def during(self, env: Env, inj: Injection, turn: Future[Answer]) -> None:
+    def during(self, env: Env, inj: Injection, turn: Future[RoutedAnswer]) -> None:
         return None
 
-    def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+    def after(self, env: Env, inj: Injection, ans: RoutedAnswer | None) -> None:
         return None
 
     def finish(self, env: Env) -> None:
@@ -84,7 +84,8 @@ def proxy_of(env: Env) -> ProxyProc:
     return env.link.proxy
 
 
-def wait_event(proxy: ProxyProc, event: str, turn: Future[Answer], timeout_s: float = 30.0) -> dict[str, Any] | None:
+def wait_event(proxy: ProxyProc, event: str, turn: Future[RoutedAnswer],
+               timeout_s: float = 30.0) -> dict[str, Any] | None:
     """The proxy's next ``event``, or None once the turn finished without it or ``timeout_s`` passed."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -120,12 +121,12 @@ class _ProxyFault(FaultClass):
         inj.data["nth"] = self.rng.randint(1, env.spec.num_layers)
         self.arm(env, inj, action=self.action, type=LAYER, nth=inj.data["nth"])
 
-    def during(self, env: Env, inj: Injection, turn: Future[Answer]) -> None:
+    def during(self, env: Env, inj: Injection, turn: Future[RoutedAnswer]) -> None:
         ev = wait_event(proxy_of(env), "injected", turn)
         inj.applied = ev is not None
         inj.detail = "" if ev is not None else "the stream ended before the armed frame"
 
-    def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+    def after(self, env: Env, inj: Injection, ans: RoutedAnswer | None) -> None:
         proxy_of(env).send("disarm")
 
 
@@ -158,7 +159,7 @@ class SpecMismatch(_ProxyFault):
         inj.data["field"] = self.FIELDS[(inj.i - 1) % len(self.FIELDS)]
         self.arm(env, inj, action="spec", type=BEGIN, nth=1, field=inj.data["field"])
 
-    def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+    def after(self, env: Env, inj: Injection, ans: RoutedAnswer | None) -> None:
         super().after(env, inj, ans)
         f = inj.data["field"]
         named = "tp_size" if f == "tp_rank" else f  # a tp_rank alone cannot differ from a tp_size-1 spec
@@ -181,7 +182,7 @@ class _Kill(FaultClass):
         inj.data["nth"] = self.rng.randint(1, env.spec.num_layers - 1)
         p.send("arm", action="hold", type=LAYER, nth=inj.data["nth"])
 
-    def during(self, env: Env, inj: Injection, turn: Future[Answer]) -> None:
+    def during(self, env: Env, inj: Injection, turn: Future[RoutedAnswer]) -> None:
         p = proxy_of(env)
         if wait_event(p, "held", turn) is None:
             inj.detail = "the stream ended before the armed frame"
@@ -190,7 +191,7 @@ class _Kill(FaultClass):
         inj.applied = True
         p.send("release")
 
-    def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+    def after(self, env: Env, inj: Injection, ans: RoutedAnswer | None) -> None:
         proxy_of(env).send("disarm")
         if ans is not None:
             self.count("retried_requests", int(ans.retries > 0))
@@ -223,7 +224,7 @@ class SlowReader(FaultClass):
         else:
             p.send("arm", action="hold", type=LAYER, nth=self.rng.randint(1, env.spec.num_layers // 2))
 
-    def during(self, env: Env, inj: Injection, turn: Future[Answer]) -> None:
+    def during(self, env: Env, inj: Injection, turn: Future[RoutedAnswer]) -> None:
         if inj.data["mode"] == "throttle":
             return
         p = proxy_of(env)
@@ -236,7 +237,7 @@ class SlowReader(FaultClass):
         time.sleep(self.PAUSE_S)
         env.workers.signal("decode", signal.SIGCONT)
 
-    def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+    def after(self, env: Env, inj: Injection, ans: RoutedAnswer | None) -> None:
         env.workers.signal("decode", signal.SIGCONT)
         proxy_of(env).send("disarm")
         if inj.applied:
@@ -255,7 +256,7 @@ class Partition(FaultClass):
         p.drain()
         p.send("arm", action="hold", type=LAYER, nth=self.rng.randint(1, env.spec.num_layers - 1))
 
-    def during(self, env: Env, inj: Injection, turn: Future[Answer]) -> None:
+    def during(self, env: Env, inj: Injection, turn: Future[RoutedAnswer]) -> None:
         p = proxy_of(env)
         if wait_event(p, "held", turn) is None or env.netns is None:
             inj.detail = "the stream ended before the armed frame"
@@ -264,7 +265,7 @@ class Partition(FaultClass):
         inj.applied = True
         p.send("release")
 
-    def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+    def after(self, env: Env, inj: Injection, ans: RoutedAnswer | None) -> None:
         if env.netns is not None:
             env.netns.up()
         proxy_of(env).send("disarm")

@@ -189,7 +189,7 @@ def handed(prompt: list[int]) -> int:
 
 
 @dataclass
-class Tally:
+class VllmTally:
     c: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("injected", "requests", "wrong_outputs", "hung", "failed", "recomputed", "lost_committed",
          "not_recovered"), 0))
@@ -294,7 +294,7 @@ class LayerDuplicated(VClass):
         return self._armed(prompt, action="dup", type=int(MsgType.LAYER), nth=self.rng.randrange(1, _layers() + 1))
 
 
-class SpecMismatch(VClass):
+class VllmSpecMismatch(VClass):
     name = "spec_mismatch"
     keeps = True
     promise = "a TRANSFER_BEGIN for another spec (each compat field) is refused before any byte: the store copy loads"
@@ -472,7 +472,7 @@ class DecodeKilledDuringLoad(VClass):
         return out
 
 
-class DiskFull(VClass):
+class VllmDiskFull(VClass):
     name = "disk_full"
     keeps = True
     promise = "the engines' disk tier full: the stream lands, saves that do not fit are dropped, answers right"
@@ -486,8 +486,8 @@ class DiskFull(VClass):
 
 
 CLASSES: dict[str, type[VClass]] = {c.name: c for c in (
-    StreamCut, LayerCorrupted, LayerDuplicated, SpecMismatch, StreamReused, InboxFull, ProducerFrozen, ServerStalled,
-    DiskFull, ServerKilled, ProducerKilled, DecodeKilledBeforeLoad, DecodeKilledDuringLoad)}
+    StreamCut, LayerCorrupted, LayerDuplicated, VllmSpecMismatch, StreamReused, InboxFull, ProducerFrozen,
+    ServerStalled, VllmDiskFull, ServerKilled, ProducerKilled, DecodeKilledBeforeLoad, DecodeKilledDuringLoad)}
 QUICK = ("stream_cut", "layer_corrupted", "spec_mismatch", "stream_reused", "inbox_full")
 
 
@@ -497,7 +497,7 @@ def _prompt(rng: random.Random, lo: int, hi: int) -> list[int]:
 
 def run_class(env: VllmEnv, cls: VClass, n: int, rng: random.Random, lo: int, hi: int) -> dict[str, Any]:
     t0 = time.monotonic()
-    tally = Tally()
+    tally = VllmTally()
     attempts = 0
     while tally.c["injected"] < n and attempts < n + max(2, n // 2):
         attempts += 1
@@ -555,7 +555,7 @@ def run(opts: SuiteOptions) -> Report:
     with contextlib.ExitStack() as stack:
         env = VllmEnv(stack, model, hang_s, max_new)
         results["engines_up_s"] = round(time.monotonic() - t0, 1)
-        control = Tally()
+        control = VllmTally()
         for _ in range(2):
             p = _prompt(rng, lo, hi)
             ref = env.reference(p)

@@ -11,6 +11,6 @@ never imports it) and below the engines, the demo and the CLI.
 """
 
 from kvport.client.conn import ClientConfig, ConnPool, ServerConn
-from kvport.client.remote import LookupResult, RemoteTier, Stored
+from kvport.client.remote import RemoteLookup, RemoteTier, Stored
 
-__all__ = ["ClientConfig", "ConnPool", "LookupResult", "RemoteTier", "ServerConn", "Stored"]
+__all__ = ["ClientConfig", "ConnPool", "RemoteLookup", "RemoteTier", "ServerConn", "Stored"]

@@ -40,31 +40,31 @@ from kvport.lifetime import Lifetime
 from kvport.protocol.frame import Flags, FrameHeader
 from kvport.protocol.rejects import Rejected, RejectReason
 from kvport.protocol.schema import Message
-from kvport.protocol.server import Contains as ContainsReq
 from kvport.protocol.server import (
     ContainsAnswer,
+    ContainsRequest,
     CountAnswer,
+    DeleteRequest,
     Done,
-    Get,
     GetAnswer,
+    GetRequest,
+    LeaksRequest,
     LeaseAnswer,
+    LeaseRequest,
     LookupAnswer,
+    LookupRequest,
+    OwnersRequest,
+    PingRequest,
+    PinRequest,
     PinSpec,
-    Put,
     PutAnswer,
+    PutRequest,
+    ReleaseRequest,
     Request,
+    StatsRequest,
+    UnpinRequest,
     decode_request,
 )
-from kvport.protocol.server import Delete as DeleteReq
-from kvport.protocol.server import Leaks as LeaksReq
-from kvport.protocol.server import Lease as LeaseReq
-from kvport.protocol.server import Lookup as LookupReq
-from kvport.protocol.server import Owners as OwnersReq
-from kvport.protocol.server import Pin as PinReq
-from kvport.protocol.server import Ping as PingReq
-from kvport.protocol.server import Release as ReleaseReq
-from kvport.protocol.server import Stats as StatsReq
-from kvport.protocol.server import Unpin as UnpinReq
 from kvport.server import reports
 from kvport.server.conn import Connection
 from kvport.server.held import account
@@ -83,9 +83,10 @@ class Handlers:
     def __init__(self, server: ServerState) -> None:
         self.server = server
         self._table: dict[type[Message], Handler] = {
-            Put: self.put, Get: self.get, LookupReq: self.lookup, ContainsReq: self.contains, PinReq: self.pin,
-            UnpinReq: self.unpin, LeaseReq: self.lease, ReleaseReq: self.release, DeleteReq: self.delete,
-            StatsReq: self.stats, OwnersReq: self.owners, LeaksReq: self.leaks, PingReq: self.ping,
+            PutRequest: self.put, GetRequest: self.get, LookupRequest: self.lookup, ContainsRequest: self.contains,
+            PinRequest: self.pin, UnpinRequest: self.unpin, LeaseRequest: self.lease, ReleaseRequest: self.release,
+            DeleteRequest: self.delete, StatsRequest: self.stats, OwnersRequest: self.owners, LeaksRequest: self.leaks,
+            PingRequest: self.ping,
         }
 
     # ------------------------------------------------------------ dispatch
@@ -93,7 +94,7 @@ class Handlers:
         if hdr.flags & Flags.RESPONSE:
             raise ProtocolError(f"{hdr.msg_type.name} with the RESPONSE flag is not a request")
         req: Request = decode_request(hdr.msg_type, meta)
-        if hdr.payload_len and not isinstance(req, Put):
+        if hdr.payload_len and not isinstance(req, PutRequest):
             raise ProtocolError(f"{hdr.msg_type.name} carries no payload")
         if conn.tenant is None or conn.holder is None:
             raise AuthError("request before authentication")
@@ -131,7 +132,7 @@ class Handlers:
         return min(asked, cap) if asked > 0 else default
 
     # ------------------------------------------------------------ put
-    async def put(self, conn: Connection, hdr: FrameHeader, req: Put, tenant: Tenant, holder: Owner) -> None:
+    async def put(self, conn: Connection, hdr: FrameHeader, req: PutRequest, tenant: Tenant, holder: Owner) -> None:
         size = hdr.payload_len
         if size == 0 or hdr.chunk_size != self.server.page_bytes:
             raise ProtocolError(f"a PUT carries a value in chunks of page_bytes={self.server.page_bytes}")
@@ -178,7 +179,7 @@ class Handlers:
         self.server.metrics.bytes_in.inc(size)
         await self._answer(conn, hdr, PutAnswer("stored"), "stored")
 
-    def _lifetime_ttl(self, req: Put) -> float | None:
+    def _lifetime_ttl(self, req: PutRequest) -> float | None:
         limits = self.server.limits
         cap = limits.max_lease_ttl_s * 1000
         if req.lifetime is Lifetime.SESSION:
@@ -187,7 +188,7 @@ class Handlers:
             return self._ttl(req.ttl_s, limits.request_ttl_s, cap)
         return req.ttl_s if req.ttl_s > 0 else None
 
-    async def _put_staged(self, conn: Connection, hdr: FrameHeader, req: Put, tenant: Tenant, holder: Owner,
+    async def _put_staged(self, conn: Connection, hdr: FrameHeader, req: PutRequest, tenant: Tenant, holder: Owner,
                           skey: bytes, sparent: bytes | None, ttl: float | None) -> Rejected | None:
         """No room in the pool: receive into a bounded staging buffer, then let the store place it."""
         size, store, pool = hdr.payload_len, self.server.store, self.server.pool
@@ -226,7 +227,7 @@ class Handlers:
         self._noted(conn, tenant)
 
     # ------------------------------------------------------------ get
-    async def get(self, conn: Connection, hdr: FrameHeader, req: Get, tenant: Tenant, holder: Owner) -> None:
+    async def get(self, conn: Connection, hdr: FrameHeader, req: GetRequest, tenant: Tenant, holder: Owner) -> None:
         skey, ledger, limits = self._skey(tenant, req.key), self.server.ledger, self.server.limits
         if skey not in self.server.store:
             return await self._answer(conn, hdr, GetAnswer(False), "miss")
@@ -287,7 +288,8 @@ class Handlers:
     def _present(self, tenant: Tenant, keys: tuple[bytes, ...]) -> list[bytes]:
         return [sk for sk in self._distinct(tenant, keys) if sk in self.server.store]
 
-    async def lookup(self, conn: Connection, hdr: FrameHeader, req: LookupReq, tenant: Tenant, holder: Owner) -> None:
+    async def lookup(self, conn: Connection, hdr: FrameHeader, req: LookupRequest, tenant: Tenant,
+                     holder: Owner) -> None:
         skeys = [self._skey(tenant, k) for k in req.keys]
         hits = self.server.store.lookup(skeys).prefix_blocks  # one probe per key, hit or miss alike; hits touched
         lease_id = None
@@ -299,12 +301,12 @@ class Handlers:
             self._noted(conn, tenant)
         await self._answer(conn, hdr, LookupAnswer(hits, lease_id))
 
-    async def contains(self, conn: Connection, hdr: FrameHeader, req: ContainsReq, tenant: Tenant,
+    async def contains(self, conn: Connection, hdr: FrameHeader, req: ContainsRequest, tenant: Tenant,
                        holder: Owner) -> None:
         sizes = [self.server.store.size_of(self._skey(tenant, k)) for k in req.keys]
         await self._answer(conn, hdr, ContainsAnswer(tuple(n is not None for n in sizes), tuple(sizes)))
 
-    async def pin(self, conn: Connection, hdr: FrameHeader, req: PinReq, tenant: Tenant, holder: Owner) -> None:
+    async def pin(self, conn: Connection, hdr: FrameHeader, req: PinRequest, tenant: Tenant, holder: Owner) -> None:
         present = self._present(tenant, req.keys)
         acct = self._charge_held(conn, tenant, len(present), len(present) * PIN_BYTES)
         limits = self.server.limits
@@ -314,7 +316,7 @@ class Handlers:
         self._noted(conn, tenant)
         await self._answer(conn, hdr, CountAnswer(len(present)))
 
-    async def unpin(self, conn: Connection, hdr: FrameHeader, req: UnpinReq, tenant: Tenant, holder: Owner) -> None:
+    async def unpin(self, conn: Connection, hdr: FrameHeader, req: UnpinRequest, tenant: Tenant, holder: Owner) -> None:
         n = 0
         for sk in self._present(tenant, req.keys):
             if holder in self.server.ledger.pins_of(sk):
@@ -323,7 +325,7 @@ class Handlers:
         self._noted(conn, tenant)  # a pin another connection took is seen again at the next sweep
         await self._answer(conn, hdr, CountAnswer(n))
 
-    async def lease(self, conn: Connection, hdr: FrameHeader, req: LeaseReq, tenant: Tenant, holder: Owner) -> None:
+    async def lease(self, conn: Connection, hdr: FrameHeader, req: LeaseRequest, tenant: Tenant, holder: Owner) -> None:
         wanted = self._distinct(tenant, req.keys)
         present = [sk for sk in wanted if sk in self.server.store]
         if len(present) != len(wanted):
@@ -338,25 +340,27 @@ class Handlers:
             self._noted(conn, tenant)
         await self._answer(conn, hdr, LeaseAnswer(lease_id, len(present)))
 
-    async def release(self, conn: Connection, hdr: FrameHeader, req: ReleaseReq, tenant: Tenant,
+    async def release(self, conn: Connection, hdr: FrameHeader, req: ReleaseRequest, tenant: Tenant,
                       holder: Owner) -> None:
         gone = self.server.ledger.release_id(req.lease, holder)  # another's, released twice or lapsed: LeaseError
         self.server.held.note(tenant.name, gone.account)  # the connection that took it, maybe another one
         await self._answer(conn, hdr, Done())
 
-    async def delete(self, conn: Connection, hdr: FrameHeader, req: DeleteReq, tenant: Tenant, holder: Owner) -> None:
+    async def delete(self, conn: Connection, hdr: FrameHeader, req: DeleteRequest, tenant: Tenant,
+                     holder: Owner) -> None:
         n = sum(1 for sk in self._present(tenant, req.keys) if self.server.store.delete(sk))
         await self._answer(conn, hdr, CountAnswer(n))
 
     # ------------------------------------------------------------ reports
-    async def stats(self, conn: Connection, hdr: FrameHeader, req: StatsReq, tenant: Tenant, holder: Owner) -> None:
+    async def stats(self, conn: Connection, hdr: FrameHeader, req: StatsRequest, tenant: Tenant, holder: Owner) -> None:
         await self._answer(conn, hdr, reports.stats(self.server, tenant, req.brief, req.list_keys))
 
-    async def owners(self, conn: Connection, hdr: FrameHeader, req: OwnersReq, tenant: Tenant, holder: Owner) -> None:
+    async def owners(self, conn: Connection, hdr: FrameHeader, req: OwnersRequest, tenant: Tenant,
+                     holder: Owner) -> None:
         await self._answer(conn, hdr, reports.owners(self.server, tenant, req.keys, req.prefix))
 
-    async def leaks(self, conn: Connection, hdr: FrameHeader, req: LeaksReq, tenant: Tenant, holder: Owner) -> None:
+    async def leaks(self, conn: Connection, hdr: FrameHeader, req: LeaksRequest, tenant: Tenant, holder: Owner) -> None:
         await self._answer(conn, hdr, reports.leaks(self.server, tenant))
 
-    async def ping(self, conn: Connection, hdr: FrameHeader, req: PingReq, tenant: Tenant, holder: Owner) -> None:
+    async def ping(self, conn: Connection, hdr: FrameHeader, req: PingRequest, tenant: Tenant, holder: Owner) -> None:
         await self._answer(conn, hdr, Done())

@@ -4,7 +4,8 @@ The wire (frames, typed messages, the handshake, the sync shell FrameIO) is :mod
 below this package. Modules, bottom to top::
 
     tcp | shm | inproc | striped   transports (tcp: listener / connect over protocol.net sockets,
-                                   the one handshake beyond loopback); ratelimit: TokenBucket, RateLimited
+                                   the one handshake beyond loopback; inproc: a thread pipe for tests)
+    ratelimit    TokenBucket, RateLimited: a transport kept to a rate (a slow link, emulated)
     links        authenticated links named by an address (HOST:PORT or shm:NAME): LinkListener, dial;
                  every connection authenticated, the handshake bound to the address dialled
     meta         check_compatible (TransferMeta, the TRANSFER_BEGIN map, is protocol.transfer's)
@@ -13,6 +14,7 @@ below this package. Modules, bottom to top::
     linkcodec    a codec per link: block-layers travel encoded
     sender | receiver   the two ends of a transfer: layer-wise streaming or whole blocks, every
                  (block, layer) verified exactly once, commits recorded as hand-offs between ledgers
+    loadtest     load scenarios on real sockets: layer-wise overlap and 3x overload (``bench transfer``)
 """
 
 from kvport.protocol.frame import Flags, Limits, MsgType

@@ -258,7 +258,7 @@ class Env:
         """The disk page keys ``key``'s value may use (its first ``most``): the server stores a value
         as pages keyed by the tenant's storage key and the page's index."""
         from kvport.server.tenants import SECRET_FILE, Tenant, TenantTable
-        from kvport.tiers.paged import page_keys
+        from kvport.tiers.paged_tier import page_keys
 
         secret = (self.disk / SECRET_FILE).read_bytes()
         return page_keys(TenantTable([Tenant("default")], secret).storage_key("default", key), most)

@@ -25,7 +25,7 @@ Modules::
     base             the Codec interface (Encoded, KVShape) and the checks every codec shares
     registry         get_codec / codec_ids: codecs registered by id when their module is imported
     envelope         the block envelope: header, identity, a manifest of parts each with its xxh3_64; BlockFormat
-    frame            bytes form: one canonical LKHTD range in, one self-describing frame (an envelope) out
+    block_frame      bytes form: one canonical LKHTD range in, one self-describing frame (an envelope) out
     raw              ``raw``: the values as they are (core)
     lossless         ``lossless``: byte-plane split plus zstd, bit-exact (core)
     int8             ``int8``: per-token asymmetric 8-bit K and V
@@ -41,8 +41,8 @@ Modules::
 
 from kvport.codec import lossless, raw  # noqa: F401  (registers the core codecs; the lossy ones load on use)
 from kvport.codec.base import Codec, Encoded, KVShape
+from kvport.codec.block_frame import FrameInfo, decode_block, encode_block, max_frame_size, peek_header
 from kvport.codec.envelope import BlockFormat, block_format, stored_bytes
-from kvport.codec.frame import FrameInfo, decode_block, encode_block, max_frame_size, peek_header
 from kvport.codec.registry import codec_from_dict, codec_ids, codec_key, codec_to_dict, get_codec
 
 __all__ = ["BlockFormat", "Codec", "Encoded", "FrameInfo", "KVShape", "block_format", "codec_from_dict", "codec_ids",

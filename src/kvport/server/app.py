@@ -39,7 +39,7 @@ from kvport.config import MIN_TOKEN_CHARS
 from kvport.errors import ConfigError, PeerError, TierError
 from kvport.protocol.aio import AsyncStream, BulkIO, SockStream, TlsStream
 from kvport.protocol.net import is_loopback, tune
-from kvport.server.conn import Connection, ConnState
+from kvport.server.connection import Connection, ConnState
 from kvport.server.handlers import Handlers
 from kvport.server.held import held_budget
 from kvport.server.http import HttpEndpoint

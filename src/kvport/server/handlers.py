@@ -66,7 +66,7 @@ from kvport.protocol.server import (
     decode_request,
 )
 from kvport.server import reports
-from kvport.server.conn import Connection
+from kvport.server.connection import Connection
 from kvport.server.held import account
 from kvport.server.state import ServerState
 from kvport.server.storage import HOST, Attrs

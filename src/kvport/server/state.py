@@ -12,8 +12,8 @@
     logged_in, hits    the tenant of every logged-in connection; GETs served per stored block
     draining, started  a graceful shutdown is under way; when the server started (monotonic)
 
-Imports go one way: ``state`` <- ``conn`` (a connection's lifecycle) <- ``handlers`` (one method per
-request) <- ``app``; ``reports`` reads the state too. Nothing here knows a connection object: a
+Imports go one way: ``state`` <- ``connection`` (a connection's lifecycle) <- ``handlers`` (one method
+per request) <- ``app``; ``reports`` reads the state too. Nothing here knows a connection object: a
 connection is its id (and, once logged in, its tenant).
 """
 

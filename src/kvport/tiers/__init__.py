@@ -15,10 +15,10 @@ memory import torch when used, a lossy codec loads its numba kernels on its firs
     disk        DiskTier: slab files of checksummed blocks; the index rebuilt from disk at start
     redis_tier  RedisTier: values in Redis / Valkey (or Redis Cluster), chunked under the bulk limit
     device      DeviceTier: fixed-size pages in one preallocated CUDA buffer
-    paged       PagedTier: values of any length over fixed-size pages of an inner tier (host pool or disk)
+    paged_tier  PagedTier: values of any length over fixed-size pages of an inner tier (host pool or disk)
     journal     Journal: an append-only, per-record checksummed list of the values a folder holds
     codec_tier  CodecTier: wraps a tier and keeps its blocks codec-encoded
-    faults      FaultTier: wraps a tier and injects failures on demand
+    fault_tier  FaultTier: wraps a tier and injects failures on demand
     checksums   checksums beside the copy: one hashing thread per process for the tiers' large batches
 """
 
@@ -26,7 +26,7 @@ from kvport.tiers.base import Buffer, Tier, TierCaps, byte_view, writable_view
 from kvport.tiers.codec_tier import CodecTier
 from kvport.tiers.device import DeviceTier
 from kvport.tiers.disk import DiskTier
-from kvport.tiers.faults import FaultTier
+from kvport.tiers.fault_tier import FaultTier
 from kvport.tiers.host import HostTier
 from kvport.tiers.redis_tier import RedisTier
 

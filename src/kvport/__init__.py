@@ -1,23 +1,32 @@
 """kvport: KV-cache transfer and tiering for LLM serving.
 
 Layers, top to bottom; a module imports only from layers below it (checked by import-linter,
-contract in pyproject.toml)::
+contract in pyproject.toml; names joined by ``|`` share a layer and do not import each other)::
 
     cli                         `kvport ...` entry points
     demo                        the main job: prefill/decode disaggregation on the reference model
     bench                       benchmark suites (`kvport bench SUITE`), each measuring its physical limit
-    eval                        quality harness for KV codecs on the reference model
-    engines | server            transformers / vLLM adapters; the shared-tier server
+    eval | workers              quality harness for KV codecs on the reference model; the transformers
+                                prefill/decode worker processes (the demo runs them, the fault bench drives them)
+    engines | server            transformers / vLLM adapters; the shared-tier server (`kvport serve`)
     planner                     transfer vs recompute vs compress: cost model + calibration
-    transfer                    wire format, sender/receiver, transports (inproc, shm, tcp), credits
+    evidence                    physical limits measured in the same run (memcpy, raw socket, disk, redis),
+                                timing, page-cache dropping: what every benchmark compares against
+    transfer | client           sender/receiver, transports (inproc, shm, tcp, striped), credits; the
+                                client of a kvport server (RemoteTier, the store port)
+    protocol                    the wire: frames, typed messages, the one handshake, blocking and asyncio shells
     store                       TieredStore: lookup, put/get, promote/evict, prefetch, lifetimes
     ledger                      ownership, leases, pins: the only place that changes a block's owner
-    tiers                       host, disk, redis, remote, device tiers: bytes in, bytes out
-    codec | refmodel            KV codecs; locating and loading the reference model
-    keys                        chained block keys
+    tiers                       host, disk, redis, device tiers and tier wrappers: bytes in, bytes out
+    codec | refmodel            KV codecs and the block envelope; locating and loading the reference model
+    keys | lifetime             chained block keys; a block's lifetime class (request, session, prefix)
     spec                        KVSpec and sizes
     config                      typed settings (the only reader of KVPORT_* variables)
-    units | metrics             unit parsing; the Prometheus registry
+    units | metrics | memops | extras | deadline
+                                unit parsing; the Prometheus registry; the hot paths' memory kernels
+                                (native or numpy); optional parts and the one error naming the extra;
+                                deadlines of loads
+    _memops                     the native kernels behind memops (C, built at install when it can be)
     errors                      one exception tree
 """
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvport.codec import decode_block, encode_block, get_codec, peek_header
-from kvport.codec.frame import max_frame_size
+from kvport.codec.block_frame import max_frame_size
 from kvport.errors import CodecError, CodecParamsError, CorruptPayloadError, UnknownCodecError
 from kvport.spec import DType, KVSpec
 from tests.codec.conftest import kv, with_meta

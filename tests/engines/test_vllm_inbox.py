@@ -158,9 +158,9 @@ def test_a_stream_nobody_will_take_is_released_at_once() -> None:
 
 
 def test_the_planner_discards_the_stream_of_a_hand_off_it_will_not_load() -> None:
-    from kvport.engines.vllm.plan import Planner
+    from kvport.engines.vllm.plan import StepPlanner
 
-    p = Planner(CTX, lambda k: False)
+    p = StepPlanner(CTX, lambda k: False)
     sid = new_stream_id()
     p.discard_stream(sid)
     assert p.step([]).discards == (sid,)

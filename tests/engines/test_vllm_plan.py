@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvport.engines.vllm.plan import BlockCopy, Planner, ScheduledRequest
+from kvport.engines.vllm.plan import BlockCopy, ScheduledRequest, StepPlanner
 from kvport.errors import EngineError
 from kvport.keys import KeyContext, chain_keys
 from kvport.spec import DType, KVSpec, Layout
@@ -14,8 +14,8 @@ SPEC = KVSpec("m", num_layers=2, num_kv_heads=1, head_dim=4, dtype=DType.FP32, b
 CTX = KeyContext(block_size=B, spec_fingerprint=SPEC.fingerprint)
 
 
-def planner(stored: set[bytes]) -> Planner:
-    return Planner(CTX, stored.__contains__)
+def planner(stored: set[bytes]) -> StepPlanner:
+    return StepPlanner(CTX, stored.__contains__)
 
 
 def prompt(n: int, base: int = 10) -> list[int]:

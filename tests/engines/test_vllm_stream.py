@@ -18,7 +18,7 @@ from kvport.client.port import StoreConfig, open_store
 from kvport.codec.envelope import block_format, stored_bytes
 from kvport.deadline import Deadline
 from kvport.engines.vllm.paged import PagedKV
-from kvport.engines.vllm.plan import BlockCopy, Planner, ScheduledRequest, StreamCopy
+from kvport.engines.vllm.plan import BlockCopy, ScheduledRequest, StepPlanner, StreamCopy
 from kvport.engines.vllm.stream import Inbox, InboxServer, StreamOut, new_stream_id, parse_dest
 from kvport.engines.vllm.worker import AsyncLoads, BlockMover
 from kvport.keys import KeyContext, chain_keys
@@ -200,7 +200,7 @@ def test_a_stream_cut_mid_transfer_links_nothing(inbox: tuple[Inbox, InboxServer
 
 def test_planner_streams_every_prompt_block_once_and_saves_none_of_them() -> None:
     held: set[bytes] = set()
-    p = Planner(CTX, lambda k: k in held)
+    p = StepPlanner(CTX, lambda k: k in held)
     prompt = list(range(18))  # 4 full blocks and 2 tokens
     assert p.lookup("r", prompt, 0) == 0
     sid = new_stream_id()
@@ -214,7 +214,7 @@ def test_planner_streams_every_prompt_block_once_and_saves_none_of_them() -> Non
     assert a.saves == () and b.saves == ()
     assert p.streamed("r") == sid
     # the decode side: a hand-off named by its stream loads from there
-    q = Planner(CTX, lambda k: False)
+    q = StepPlanner(CTX, lambda k: False)
     assert q.lookup("d", prompt, 0) == 0
     q.expect_stream("d", 16, sid)
     q.after_alloc("d", 16, [0, 1, 2, 3, 4])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvport.errors import ConfigError
-from kvport.server.admission import Admission, Decision, parse_networks
+from kvport.server.admission import Admission, AdmissionDecision, parse_networks
 from kvport.server.limits import ServerLimits
 
 from .conftest import base_args, make_cert
@@ -20,31 +20,32 @@ from .raw import authed_socket, closed_within, connect
 
 def test_admission_decisions() -> None:
     a = Admission(max_connections=6, max_pending=3, max_per_peer=3, exempt=parse_networks(("127.0.0.0/8",)))
-    assert a.admit(1, "10.0.0.1") == Decision(True)
-    assert a.admit(2, "10.0.0.2") == Decision(True)
-    assert a.admit(3, "10.0.0.1") == Decision(True)
+    assert a.admit(1, "10.0.0.1") == AdmissionDecision(True)
+    assert a.admit(2, "10.0.0.2") == AdmissionDecision(True)
+    assert a.admit(3, "10.0.0.1") == AdmissionDecision(True)
     # pending full: the oldest attempt of the peer holding the most pending gives way
-    assert a.admit(4, "10.0.0.3") == Decision(True, gave_way=1)
+    assert a.admit(4, "10.0.0.3") == AdmissionDecision(True, gave_way=1)
     a.logged_in(3)
     a.logged_in(4)
     assert a.pending == 1 and a.total == 3
-    assert a.admit(5, "10.0.0.1") == Decision(True)
-    assert a.admit(6, "10.0.0.1") == Decision(True)
-    assert a.admit(7, "10.0.0.1") == Decision(False, refused="per_peer")  # 3 from 10.0.0.1 (3 logged in, 5, 6)
+    assert a.admit(5, "10.0.0.1") == AdmissionDecision(True)
+    assert a.admit(6, "10.0.0.1") == AdmissionDecision(True)
+    assert a.admit(7, "10.0.0.1") == AdmissionDecision(False, refused="per_peer")  # 3 from 10.0.0.1 (3 logged in, 5, 6)
     for cid in (5, 6):
         a.logged_in(cid)
-    assert a.admit(8, "127.0.0.1") == Decision(True)  # exempt from the per-peer cap
+    assert a.admit(8, "127.0.0.1") == AdmissionDecision(True)  # exempt from the per-peer cap
     assert a.total == 6
-    assert a.admit(9, "127.0.0.1") == Decision(True, gave_way=2)  # all full: a pending one gives way (a tie: oldest)
-    assert a.admit(10, "127.0.0.1") == Decision(True, gave_way=8)
+    # all full: a pending one gives way (a tie: oldest)
+    assert a.admit(9, "127.0.0.1") == AdmissionDecision(True, gave_way=2)
+    assert a.admit(10, "127.0.0.1") == AdmissionDecision(True, gave_way=8)
     for cid in (9, 10):
         a.logged_in(cid)
-    assert a.admit(11, "10.0.0.4") == Decision(False, refused="full")  # all logged in: nobody gives way
+    assert a.admit(11, "10.0.0.4") == AdmissionDecision(False, refused="full")  # all logged in: nobody gives way
     a.closed(3)
     a.closed(3)  # twice, or a gave-way one again: ignored
     a.closed(1)
-    assert a.admit(12, "10.0.0.4") == Decision(True)
-    assert a.admit(13, "10.0.0.4", draining=True) == Decision(False, refused="draining")
+    assert a.admit(12, "10.0.0.4") == AdmissionDecision(True)
+    assert a.admit(13, "10.0.0.4", draining=True) == AdmissionDecision(False, refused="draining")
 
 
 def test_bad_limits_are_config_errors() -> None:

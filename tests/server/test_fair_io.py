@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from kvport.protocol.frame import HEADER_BYTES, MsgType, decode_header, encode_frame, frame_bytes
-from kvport.protocol.server import Get, Ping
+from kvport.protocol.server import GetRequest, PingRequest
 
 from .conftest import MiB, ServerProc, base_args
 from .raw import authed_socket, closed_within, recv_exact, recv_frame
@@ -23,7 +23,7 @@ def _stall_readers(srv: ServerProc, key: bytes, n: int) -> list[socket.socket]:
     out = []
     for i in range(n):
         s = authed_socket(srv.port, rcvbuf=64 << 10)
-        s.sendall(frame_bytes(encode_frame(MsgType.GET, Get(key).to_meta(), corr_id=i + 1)))
+        s.sendall(frame_bytes(encode_frame(MsgType.GET, GetRequest(key).to_meta(), corr_id=i + 1)))
         out.append(s)
     return out
 
@@ -85,7 +85,7 @@ def test_a_send_without_progress_is_cut_at_the_write_timeout(server_factory) -> 
     c.put(big, np.random.default_rng(7).integers(0, 256, 32 * MiB, dtype=np.uint8))
     c.close()
     slow = authed_socket(srv.port, rcvbuf=64 << 10)
-    slow.sendall(frame_bytes(encode_frame(MsgType.GET, Get(big).to_meta(), corr_id=7)))
+    slow.sendall(frame_bytes(encode_frame(MsgType.GET, GetRequest(big).to_meta(), corr_id=7)))
     got: list[int] = []
 
     def read_slowly() -> None:  # a few MB/s: 64 KiB at a time with pauses
@@ -132,9 +132,9 @@ def test_a_pipelining_client_does_not_hold_the_server(server_factory) -> None:  
 
     reader = threading.Thread(target=read_answers)
     reader.start()
-    frame = frame_bytes(encode_frame(MsgType.GET, Get(key).to_meta(), corr_id=1))
+    frame = frame_bytes(encode_frame(MsgType.GET, GetRequest(key).to_meta(), corr_id=1))
     piped.sendall(frame * n)
-    other.sendall(frame_bytes(encode_frame(MsgType.PING, Ping().to_meta(), corr_id=2)))
+    other.sendall(frame_bytes(encode_frame(MsgType.PING, PingRequest().to_meta(), corr_id=2)))
     mt, _ = recv_frame(other)
     seen = len(answered)
     reader.join(60)

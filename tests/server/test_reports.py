@@ -1,4 +1,4 @@
-"""What STATS reports, against a server run in this process (its handlers are inspected)."""
+"""What STATS reports, against a server run in this process (its state is inspected)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_hit_counts_stay_bounded_while_read_blocks_are_evicted(tmp_path: Path) -
         srv = KVServer(cfg)
         await srv.start()
         try:
-            pages = srv.h.store.tiers["host"].capacity_bytes // PAGE
+            pages = srv.state.store.tiers["host"].capacity_bytes // PAGE
             n = 3 * pages + 200  # two thirds of them evicted by the time the last is put
 
             def work() -> tuple[int, int, list[tuple[str, int]]]:
@@ -41,8 +41,8 @@ def test_hit_counts_stay_bounded_while_read_blocks_are_evicted(tmp_path: Path) -
                         c.put(key, value)
                         c.get_into(key, buf)
                     c.ping()  # answered once the last GET's handler finished (one request at a time)
-                    held = len(srv.h.hits)
-                    stored = len(srv.h.store)
+                    held = len(srv.state.hits)
+                    stored = len(srv.state.store)
                     last = (n - 1).to_bytes(16, "big")
                     for _ in range(4):
                         c.get_into(last, buf)

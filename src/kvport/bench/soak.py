@@ -67,14 +67,14 @@ PHASES = ("ownership", "memory")
 
 
 @dataclass(slots=True)
-class _Client:
+class _ClientProc:
     role: str
     proc: subprocess.Popen[bytes] | None = None
     incarnation: int = 0
     stats_files: list[Path] = field(default_factory=list)
 
 
-def _spawn(c: _Client, port: int, folder: Path, seed: int) -> None:
+def _spawn(c: _ClientProc, port: int, folder: Path, seed: int) -> None:
     c.incarnation += 1
     stats = folder / f"{c.role}-{c.incarnation}.json"
     c.stats_files.append(stats)
@@ -170,7 +170,7 @@ def _ownership(cond: dict[str, Any], capacity: int, disk_capacity: int, minutes:
         srv = SoakServer(args, folder / "server.log")
         port = srv.start()
         srv.args = [*args[:1], f"127.0.0.1:{port}", *args[2:]]  # a restart listens on the same port
-        clients = [_Client(r) for r in ROLES]
+        clients = [_ClientProc(r) for r in ROLES]
         for c in clients:
             _spawn(c, port, folder, rng.getrandbits(31))
         t0 = time.monotonic()

@@ -56,7 +56,7 @@ def verify(key: bytes, buf: memoryview | bytearray, n: int) -> bool:
     return bool(np.array_equal(np.frombuffer(buf, dtype=np.uint8, count=n), pattern(key, n)))
 
 
-class Stats:
+class StatsFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.c: dict[str, Any] = {"ops": 0, "lost": 0, "corrupt": 0, "errors": 0, "transfers": 0,
@@ -80,7 +80,7 @@ class Stats:
 
 
 class Role:
-    def __init__(self, args: argparse.Namespace, stats: Stats) -> None:
+    def __init__(self, args: argparse.Namespace, stats: StatsFile) -> None:
         self.args = args
         self.stats = stats
         self.rng = random.Random(args.seed)
@@ -135,7 +135,7 @@ class Role:
 
 
 class Writer(Role):
-    def __init__(self, args: argparse.Namespace, stats: Stats) -> None:
+    def __init__(self, args: argparse.Namespace, stats: StatsFile) -> None:
         super().__init__(args, stats)
         self.pinned: dict[bytes, tuple[int, float]] = {}  # key -> (server epoch, pin expiry, local clock)
         self.buf = bytearray(2 << 20)
@@ -166,7 +166,7 @@ class Writer(Role):
 
 
 class Reader(Role):
-    def __init__(self, args: argparse.Namespace, stats: Stats) -> None:
+    def __init__(self, args: argparse.Namespace, stats: StatsFile) -> None:
         super().__init__(args, stats)
         self.buf = bytearray(2 << 20)
 
@@ -214,12 +214,11 @@ def _small_spec() -> Any:
     return KVSpec(model_id="soak", num_layers=4, num_kv_heads=2, head_dim=32, dtype=DType.FP16, block_size=16)
 
 
-class Sender(Role):
+class TransferSender(Role):
     """KV transfers to the receiver; the engine ledger owns each block until the commit hands it off."""
 
     def step(self) -> None:
-        from kvport.transfer import Backpressure, TransferMeta
-        from kvport.transfer import Sender as KVSender
+        from kvport.transfer import Backpressure, Sender, TransferMeta
         from kvport.transfer.tcp import connect
 
         peer_port = _read_port(self.args.link)
@@ -233,7 +232,7 @@ class Sender(Role):
         except TransferError:
             time.sleep(0.2)
             return
-        sender = KVSender(t, Backpressure(), ledger=ledger, owner=me, peer=peer, credit_timeout_s=10.0)
+        sender = Sender(t, Backpressure(), ledger=ledger, owner=me, peer=peer, credit_timeout_s=10.0)
         spec = _small_spec()
         try:
             while not self.stop.is_set():
@@ -257,12 +256,11 @@ class Sender(Role):
             sender.close()
 
 
-class Receiver(Role):
+class TransferReceiver(Role):
     """Accepts transfers (ACQUIRE), checks every byte, hands the blocks to the pool, frees its copy."""
 
     def step(self) -> None:
-        from kvport.transfer import Backpressure
-        from kvport.transfer import Receiver as KVReceiver
+        from kvport.transfer import Backpressure, Receiver
         from kvport.transfer.destination import LayerMajorDestination
         from kvport.transfer.tcp import TcpListener
 
@@ -286,7 +284,7 @@ class Receiver(Role):
 
         # credits come back only once a transfer is in the pool: the budget bounds the blocks this
         # engine owns at any time (backpressure on the sender, not an unbounded backlog)
-        rx = KVReceiver(t, spec, dest, 2 << 20, Backpressure(), auto_release=False, ledger=ledger, owner=me,
+        rx = Receiver(t, spec, dest, 2 << 20, Backpressure(), auto_release=False, ledger=ledger, owner=me,
                         peers=[Owner.engine(f"sender-{i}") for i in range(self.args.peers)])
         rx.start()
         try:
@@ -338,8 +336,8 @@ def _write_port(path: str, port: int) -> None:
     os.replace(tmp, path)
 
 
-ROLES: dict[str, type[Role]] = {"writer": Writer, "reader": Reader, "pinner": Pinner, "sender": Sender,
-                                "receiver": Receiver}
+ROLES: dict[str, type[Role]] = {"writer": Writer, "reader": Reader, "pinner": Pinner, "sender": TransferSender,
+                                "receiver": TransferReceiver}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epoch", default="", help="the file holding the server's incarnation")
     ap.add_argument("--peers", type=int, default=64, help="receiver: sender incarnations it accepts")
     args = ap.parse_args(argv)
-    stats = Stats(Path(args.stats))
+    stats = StatsFile(Path(args.stats))
     role: Role | None = None
     for _ in range(100):  # the server may be restarting
         try:

@@ -44,7 +44,7 @@ from kvport.errors import LeaseError, ProtocolError, ServerError
 from kvport.evidence.timing import ratio
 from kvport.protocol.errors import remote_error
 from kvport.protocol.frame import Flags, MsgType, encode_frame, frame_bytes
-from kvport.protocol.server import Get
+from kvport.protocol.server import GetRequest
 from kvport.server.held import held_budget
 from kvport.server.limits import ServerLimits
 
@@ -82,7 +82,8 @@ def pipelined_gets(port: int, keys: list[bytes], n: int) -> tuple[int, int]:
     """``n`` GETs of ``keys`` in turn on one connection, ``2 x BATCH`` in flight: (hits, misses).
     Requests are encoded once (a key's frame is resent as it is); answers come in request order."""
     conn = ServerConn(ClientConfig(port=port, client="soak-mem-reader"))
-    frames = [frame_bytes(encode_frame(MsgType.GET, Get(k).to_meta(), corr_id=i + 1)) for i, k in enumerate(keys)]
+    frames = [frame_bytes(encode_frame(MsgType.GET, GetRequest(k).to_meta(), corr_id=i + 1))
+              for i, k in enumerate(keys)]
     scratch = memoryview(bytearray(VALUE_BYTES + 4 * KiB))
     in_flight: deque[int] = deque()
     sent = hits = misses = 0

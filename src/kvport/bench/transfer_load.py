@@ -61,7 +61,7 @@ def _keys(req: int, n: int) -> tuple[bytes, ...]:
 
 
 # ---------------------------------------------------------------------- overload
-class _Pool:
+class _PagePool:
     """Block pages in one preallocated buffer; ``cap`` pages in all; counts peak use."""
 
     def __init__(self, block_bytes: int, pages: int) -> None:
@@ -88,7 +88,7 @@ class _Pool:
 
 
 class _PoolDest:
-    def __init__(self, pool: _Pool, meta: TransferMeta) -> None:
+    def __init__(self, pool: _PagePool, meta: TransferMeta) -> None:
         self.pool, self.meta = pool, meta
         self.pages: dict[int, int] = {}
         self.lb = meta.spec.bytes_per_layer_block  # decoded size (== the chunk on raw links)
@@ -115,7 +115,7 @@ def overload(backpressure: bool, quick: bool = False, capacity_bps: float = 48e6
     req_bytes = blocks_per_req * spec.bytes_per_block  # 1 MiB
     budget = 8 * req_bytes
     duration = duration_s if duration_s is not None else (1.5 if quick else 5.0)
-    pool = _Pool(spec.bytes_per_block, 4 * budget // spec.bytes_per_block)
+    pool = _PagePool(spec.bytes_per_block, 4 * budget // spec.bytes_per_block)
     bp = Backpressure(enabled=backpressure)
     a, b = tcp_pair()
     rx = Receiver(b, spec, lambda m: _PoolDest(pool, m), budget_bytes=budget, bp=bp, auto_release=False)

@@ -42,30 +42,30 @@ from kvport.lifetime import Lifetime
 from kvport.protocol.rejects import Rejected
 from kvport.protocol.schema import decode
 from kvport.protocol.server import (
-    Contains,
     ContainsAnswer,
+    ContainsRequest,
     CountAnswer,
-    Delete,
+    DeleteRequest,
     Done,
-    Get,
     GetAnswer,
-    Leaks,
+    GetRequest,
     LeaksAnswer,
-    Lease,
+    LeaksRequest,
     LeaseAnswer,
-    Lookup,
+    LeaseRequest,
     LookupAnswer,
-    Owners,
+    LookupRequest,
     OwnersAnswer,
-    Pin,
-    Ping,
+    OwnersRequest,
+    PingRequest,
+    PinRequest,
     PinSpec,
-    Put,
     PutAnswer,
-    Release,
-    Stats,
+    PutRequest,
+    ReleaseRequest,
     StatsAnswer,
-    Unpin,
+    StatsRequest,
+    UnpinRequest,
 )
 from kvport.tiers.base import BlockMeta, Buffer, Tier, TierCaps, byte_view, writable_view
 
@@ -74,7 +74,7 @@ _RETRYABLE = (PeerError, ProtocolError, ChecksumError)
 
 
 @dataclass(frozen=True, slots=True)
-class LookupResult:
+class RemoteLookup:
     hits: int  # the first ``hits`` keys are present (longest cached prefix)
     lease_id: int | None  # a lease on those blocks when one was asked for
 
@@ -168,7 +168,7 @@ class RemoteTier(Tier):
 
     # ------------------------------------------------------------ Tier: sizes
     def _brief(self) -> StatsAnswer:
-        return self._call(lambda c: c.call(Stats(brief=True), StatsAnswer))
+        return self._call(lambda c: c.call(StatsRequest(brief=True), StatsAnswer))
 
     @property
     def capacity_bytes(self) -> int:
@@ -199,7 +199,7 @@ class RemoteTier(Tier):
             mv = parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
             chunks = [mv[i : i + pb] for i in range(0, mv.nbytes, pb)]
         spec = PinSpec() if pin is True else (pin or None)
-        req = Put(key, parent, lifetime, float(ttl_s or 0.0), spec)
+        req = PutRequest(key, parent, lifetime, float(ttl_s or 0.0), spec)
 
         def op(c: ServerConn) -> Stored | Rejected:
             _, ans = c.request(req, chunks)
@@ -234,7 +234,7 @@ class RemoteTier(Tier):
         """:meth:`get_into`, leaving a lease of ``lease_s`` on the block (its id; None when 0)."""
 
         def op(c: ServerConn) -> tuple[int, int | None] | Rejected | None:
-            hdr, ans = c.request(Get(key, lease_s))
+            hdr, ans = c.request(GetRequest(key, lease_s))
             rej = Rejected.from_meta(ans)
             if rej is not None:
                 return rej
@@ -263,7 +263,7 @@ class RemoteTier(Tier):
         return out
 
     def _contains(self, keys: list[bytes]) -> ContainsAnswer:
-        return self._call(lambda c: c.call(Contains(tuple(keys)), ContainsAnswer))
+        return self._call(lambda c: c.call(ContainsRequest(tuple(keys)), ContainsAnswer))
 
     def size_of(self, key: bytes) -> int | None:
         return self._contains([key]).lengths[0]
@@ -280,44 +280,44 @@ class RemoteTier(Tier):
 
     def delete_many(self, keys: Iterable[bytes]) -> int:
         ks = tuple(keys)
-        return self._call(lambda c: c.call(Delete(ks), CountAnswer)).count
+        return self._call(lambda c: c.call(DeleteRequest(ks), CountAnswer)).count
 
     def keys(self) -> Iterator[bytes]:
-        return iter(self._call(lambda c: c.call(Stats(brief=True, list_keys=True), StatsAnswer)).keys)
+        return iter(self._call(lambda c: c.call(StatsRequest(brief=True, list_keys=True), StatsAnswer)).keys)
 
     def close(self) -> None:
         self._pool.close()
 
     # ------------------------------------------------------------ server extras
-    def lookup(self, keys: list[bytes], lease_s: float = 0.0) -> LookupResult:
+    def lookup(self, keys: list[bytes], lease_s: float = 0.0) -> RemoteLookup:
         """Longest prefix of ``keys`` present; with ``lease_s`` those blocks stay until released."""
-        ans = self._call(lambda c: c.call(Lookup(tuple(keys), lease_s), LookupAnswer), idempotent=lease_s == 0)
-        return LookupResult(ans.hits, ans.lease)
+        ans = self._call(lambda c: c.call(LookupRequest(tuple(keys), lease_s), LookupAnswer), idempotent=lease_s == 0)
+        return RemoteLookup(ans.hits, ans.lease)
 
     def pin(self, keys: list[bytes], reason: str = "", ttl_s: float = 0.0) -> int:
         """Pin the present blocks of ``keys`` for this client (``ttl_s`` 0: the server's default)."""
-        return self._call(lambda c: c.call(Pin(tuple(keys), reason, ttl_s), CountAnswer), idempotent=False).count
+        return self._call(lambda c: c.call(PinRequest(tuple(keys), reason, ttl_s), CountAnswer), idempotent=False).count
 
     def unpin(self, keys: list[bytes]) -> int:
-        return self._call(lambda c: c.call(Unpin(tuple(keys)), CountAnswer), idempotent=False).count
+        return self._call(lambda c: c.call(UnpinRequest(tuple(keys)), CountAnswer), idempotent=False).count
 
     def lease(self, keys: list[bytes], ttl_s: float) -> tuple[int | None, int]:
         """(lease id, blocks held): every block stays until release or expiry (a block the tenant
         does not hold is an error and nothing is leased)."""
-        ans = self._call(lambda c: c.call(Lease(tuple(keys), ttl_s), LeaseAnswer), idempotent=False)
+        ans = self._call(lambda c: c.call(LeaseRequest(tuple(keys), ttl_s), LeaseAnswer), idempotent=False)
         return ans.lease, ans.held
 
     def release(self, lease_id: int) -> None:
-        self._call(lambda c: c.call(Release(lease_id), Done))
+        self._call(lambda c: c.call(ReleaseRequest(lease_id), Done))
 
     def stats(self) -> StatsAnswer:
-        return self._call(lambda c: c.call(Stats(), StatsAnswer))
+        return self._call(lambda c: c.call(StatsRequest(), StatsAnswer))
 
     def owners(self, keys: Sequence[bytes] = (), prefix: str = "") -> OwnersAnswer:
-        return self._call(lambda c: c.call(Owners(tuple(keys), prefix), OwnersAnswer))
+        return self._call(lambda c: c.call(OwnersRequest(tuple(keys), prefix), OwnersAnswer))
 
     def leaks(self) -> LeaksAnswer:
-        return self._call(lambda c: c.call(Leaks(), LeaksAnswer))
+        return self._call(lambda c: c.call(LeaksRequest(), LeaksAnswer))
 
     def ping(self) -> None:
-        self._call(lambda c: c.call(Ping(), Done))
+        self._call(lambda c: c.call(PingRequest(), Done))

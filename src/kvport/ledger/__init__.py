@@ -5,6 +5,11 @@ Public API: :class:`Owner` / :class:`OwnerKind`, :class:`BlockState`, :class:`Mo
 :func:`transition`, :class:`Ledger` (with :func:`lease_bytes` and ``PIN_BYTES``: what its records
 cost), :class:`Lease`, :class:`Pin`, :class:`BlockRecord`, :class:`LeakReport`, :class:`MoveRecord`,
 :class:`TransferRecord`, :class:`Expired`, :func:`new_tid`.
+
+::
+
+    states   Owner / OwnerKind, BlockState, Move and transition(): the one function that moves a block's state
+    ledger   Ledger: every block's owner and state, hand-offs, leases and pins (and what their records cost)
 """
 
 from kvport.ledger.ledger import (

@@ -2,14 +2,15 @@
 
 Modules, pure first::
 
-    profile.py    Profile (PrefillModel, Link, CodecCost): measured costs + JSON file      pure
-    fit.py        fit_prefill: t(s, e) = a + b q + c q^2 + d q s from measured points      pure
-    cost.py       Request/Cached/Load -> evaluate() -> Decision                            pure
-    crossover.py  crossover(): prompt lengths where load and recompute swap places         pure
-    planner.py    Planner: decide() + observe_transfer/observe_prefill (EMA), metrics, log
-    throttle.py   LoopbackPeer: a KV peer process serving byte ranges through a token bucket  sockets
-    hfkv.py       block bytes <-> transformers DynamicCache; timed forwards                   torch
-    calibrate.py  measures this machine (prefill of a model, install, links, tiers, codecs) torch
+    profile     Profile (PrefillModel, Link, CodecCost): measured costs + JSON file        pure
+    fit         fit_prefill: t(s, e) = a + b q + c q^2 + d q s from measured points        pure
+    cost        Request/Cached/Load -> evaluate() -> Decision                              pure
+    crossover   crossover(): prompt lengths where load and recompute swap places           pure
+    quality     codec quality costs from ``kvport eval quality`` result files              files
+    planner     Planner: decide() + observe_transfer/observe_prefill (EMA), metrics, log
+    throttle    LoopbackPeer: a KV peer process serving byte ranges through a token bucket  sockets
+    hfkv        block bytes <-> transformers DynamicCache; timed forwards                  torch
+    calibrate   measures this machine (prefill of a model, install, links, tiers, codecs)  torch
 
 Engines and the store call ``Planner(profile).decide(Request(...))`` before loading, act on
 ``decision.action``, then report what really happened with ``observe_transfer`` / ``observe_prefill``.

@@ -1,27 +1,10 @@
-"""The shared-tier protocol: which frames, which metadata, on top of :mod:`kvport.protocol.frame`.
+"""Field checks for the few metadata maps written by hand instead of through :mod:`kvport.protocol.schema`.
 
-Every request is one frame; its answer is one frame of the same ``msg_type`` with
-``Flags.RESPONSE`` and the request's ``corr_id`` (``Flags.ERROR`` for an error, meta
-``{"error": class name, "message": ...}``). Keys on the wire are the client's 16-byte block keys;
-the server salts them per tenant and never returns storage keys.
-
-========================  ==========================================  =====================================
-request (meta; payload)   answer meta (payload)                       notes
-========================  ==========================================  =====================================
-AUTH_CHALLENGE (server)   {nonce, page_bytes, max_value_bytes, auth}  first frame on every connection
-AUTH_RESPONSE             AUTH_OK {tenant}                            see :mod:`kvport.server.auth`
-PUT {key, pin?}; value    {status: "stored"|"exists"} |               chunk_size must be page_bytes;
-                          {rejected, retry_after, detail}             visible only after every checksum
-GET {key}                 {found: true, length}; value | {found: f}   the read holds a lease
-LOOKUP {keys, lease_s?}   {hits: n, lease: id|None}                   longest present prefix of keys
-CONTAINS {keys}           {present: [bool]}
-PIN / UNPIN {keys}        {count}                                     pins survive the connection
-LEASE {keys, ttl_s}       {lease, held}                               released on RELEASE, expiry or close
-RELEASE {lease}           {}
-DELETE {keys}             {deleted}                                   pinned / leased blocks stay
-STATS {}                  usage, tenants, top prefixes, pins, leases  admin sees all tenants
-PING {}                   {}
-========================  ==========================================  =====================================
+The handshake (:mod:`kvport.protocol.handshake`) reads its maps with ``str_field`` and
+``bytes_field``: each field type- and length-checked, a bad one a :class:`~kvport.errors.ProtocolError`
+that names it (``key_field``, ``keys_field``, ``float_field`` and ``int_field`` have no caller
+today). Every other message is typed; the shared-tier protocol's table of requests and answers is
+in :mod:`kvport.protocol.server`.
 """
 
 from __future__ import annotations

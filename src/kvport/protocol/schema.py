@@ -3,7 +3,7 @@
 A message is a frozen dataclass; its annotations are the schema::
 
     @dataclass(frozen=True, slots=True)
-    class Lease(Message):
+    class LeaseRequest(Message):
         TYPE = MsgType.LEASE
         keys: Annotated[tuple[Key, ...], Len(4096)]
         ttl_s: Annotated[float, Range(0.001, 3600)]

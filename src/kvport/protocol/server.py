@@ -8,24 +8,26 @@ and never returns storage keys. Leases and pins belong to the holder ``tenant/cl
 handshake, not to a connection: a client's pool may use any of its connections, and a client that
 dies loses its leases and pins when they expire (never later).
 
-==========================================  ======================================  ==================================
-request (payload)                           answer (payload)                        notes
-==========================================  ======================================  ==================================
-Put {key, parent, lifetime, ttl_s, pin}     PutAnswer {status} | Rejected           value in chunks of page_bytes;
-  (value)                                                                           visible only after every checksum;
-                                                                                    a PUT hands the block to the pool
-Get {key, lease_s}                          GetAnswer {found, length, lease}        the read itself holds a lease;
-                                              (value) | Rejected(busy)              lease_s > 0 keeps one after it
-Lookup {keys, lease_s}                      LookupAnswer {hits, lease}              longest present prefix of keys
-Contains {keys}                             ContainsAnswer {present, lengths}
-Pin {keys, reason, ttl_s} / Unpin {keys}    CountAnswer {count}                     pins expire at ttl_s
-Lease {keys, ttl_s} / Release {lease}       LeaseAnswer {lease, held} / Done {}
-Delete {keys}                               CountAnswer {count}                     pinned / leased blocks stay
-Stats {brief, list_keys}                    StatsAnswer                             a tenant sees its own rows only
-Owners {keys, prefix}                       OwnersAnswer {blocks}                   ``kvport inspect --owners``
-Leaks {}                                    LeaksAnswer                             ``kvport inspect --leaks``
-Ping {}                                     Done {}
-==========================================  ======================================  ==================================
+==============================================  =================================  ==================================
+request (payload)                               answer (payload)                   notes
+==============================================  =================================  ==================================
+PutRequest {key, parent, lifetime, ttl_s, pin}  PutAnswer {status} | Rejected      value in chunks of page_bytes;
+  (value)                                                                          visible only after every checksum;
+                                                                                   a PUT hands the block to the pool
+GetRequest {key, lease_s}                       GetAnswer {found, length, lease}   the read itself holds a lease;
+                                                  (value) | Rejected(busy)         lease_s > 0 keeps one after it
+LookupRequest {keys, lease_s}                   LookupAnswer {hits, lease}         longest present prefix of keys
+ContainsRequest {keys}                          ContainsAnswer {present, lengths}
+PinRequest {keys, reason, ttl_s}                CountAnswer {count}                pins expire at ttl_s
+UnpinRequest {keys}                             CountAnswer {count}
+LeaseRequest {keys, ttl_s}                      LeaseAnswer {lease, held}
+ReleaseRequest {lease}                          Done {}
+DeleteRequest {keys}                            CountAnswer {count}                pinned / leased blocks stay
+StatsRequest {brief, list_keys}                 StatsAnswer                        a tenant sees its own rows only
+OwnersRequest {keys, prefix}                    OwnersAnswer {blocks}              ``kvport inspect --owners``
+LeaksRequest {}                                 LeaksAnswer                        ``kvport inspect --leaks``
+PingRequest {}                                  Done {}
+==============================================  =================================  ==================================
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class PinSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class Put(Message):
+class PutRequest(Message):
     TYPE: ClassVar[MsgType] = MsgType.PUT
     key: Key
     parent: Key | None = None  # the previous block of the same prefix (the server keeps no orphans)
@@ -65,27 +67,27 @@ class Put(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class Get(Message):
+class GetRequest(Message):
     TYPE: ClassVar[MsgType] = MsgType.GET
     key: Key
     lease_s: Ttl = 0.0  # > 0: keep a lease on the block after the read
 
 
 @dataclass(frozen=True, slots=True)
-class Lookup(Message):
+class LookupRequest(Message):
     TYPE: ClassVar[MsgType] = MsgType.LOOKUP
     keys: Keys
     lease_s: Ttl = 0.0
 
 
 @dataclass(frozen=True, slots=True)
-class Contains(Message):
+class ContainsRequest(Message):
     TYPE: ClassVar[MsgType] = MsgType.CONTAINS
     keys: Keys
 
 
 @dataclass(frozen=True, slots=True)
-class Pin(Message):
+class PinRequest(Message):
     TYPE: ClassVar[MsgType] = MsgType.PIN
     keys: Keys
     reason: Reason = ""
@@ -93,57 +95,59 @@ class Pin(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class Unpin(Message):
+class UnpinRequest(Message):
     TYPE: ClassVar[MsgType] = MsgType.UNPIN
     keys: Keys
 
 
 @dataclass(frozen=True, slots=True)
-class Lease(Message):
+class LeaseRequest(Message):
     TYPE: ClassVar[MsgType] = MsgType.LEASE
     keys: Keys
     ttl_s: Ttl = 0.0
 
 
 @dataclass(frozen=True, slots=True)
-class Release(Message):
+class ReleaseRequest(Message):
     TYPE: ClassVar[MsgType] = MsgType.RELEASE
     lease: Annotated[int, Range(1, 2**63 - 1)]
 
 
 @dataclass(frozen=True, slots=True)
-class Delete(Message):
+class DeleteRequest(Message):
     TYPE: ClassVar[MsgType] = MsgType.DELETE
     keys: Keys
 
 
 @dataclass(frozen=True, slots=True)
-class Stats(Message):
+class StatsRequest(Message):
     TYPE: ClassVar[MsgType] = MsgType.STATS
     brief: bool = False
     list_keys: bool = False
 
 
 @dataclass(frozen=True, slots=True)
-class Owners(Message):
+class OwnersRequest(Message):
     TYPE: ClassVar[MsgType] = MsgType.OWNERS
     keys: Keys = ()
     prefix: Annotated[str, Len(32)] = ""  # hex prefix of client keys (instead of keys)
 
 
 @dataclass(frozen=True, slots=True)
-class Leaks(Message):
+class LeaksRequest(Message):
     TYPE: ClassVar[MsgType] = MsgType.LEAKS
 
 
 @dataclass(frozen=True, slots=True)
-class Ping(Message):
+class PingRequest(Message):
     TYPE: ClassVar[MsgType] = MsgType.PING
 
 
-Request = Put | Get | Lookup | Contains | Pin | Unpin | Lease | Release | Delete | Stats | Owners | Leaks | Ping
+Request = (PutRequest | GetRequest | LookupRequest | ContainsRequest | PinRequest | UnpinRequest | LeaseRequest
+           | ReleaseRequest | DeleteRequest | StatsRequest | OwnersRequest | LeaksRequest | PingRequest)
 REQUESTS: dict[MsgType, type[Message]] = {c.TYPE: c for c in (
-    Put, Get, Lookup, Contains, Pin, Unpin, Lease, Release, Delete, Stats, Owners, Leaks, Ping)}
+    PutRequest, GetRequest, LookupRequest, ContainsRequest, PinRequest, UnpinRequest, LeaseRequest, ReleaseRequest,
+    DeleteRequest, StatsRequest, OwnersRequest, LeaksRequest, PingRequest)}
 
 
 def decode_request(msg_type: MsgType, meta: dict[str, Any]) -> Request:

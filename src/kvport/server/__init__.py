@@ -1,22 +1,23 @@
-"""The kvport server: the shared external KV tier, and its client (docs/server.md).
+"""The kvport server (``kvport serve``): the shared external KV tier (docs/server.md).
 
-Server (``kvport serve``)::
+Modules, top to bottom (import-linter keeps ``state`` below ``connection``, ``handlers`` and ``reports``)::
 
-    app        ServerConfig, KVServer (listen, accept, tick, graceful shutdown), serve()
-    conn       one connection: state machine, handshake, deadlines, request loop
-    handlers   one handler per message type (PUT, GET, LOOKUP, PIN, LEASE, STATS, ...)
-    blocks     values as pages over HostTier + DiskTier, catalog, manifest
-    catalog    what is stored where for whom; pins, leases, eviction plans (no I/O)
-    manifest   disk blocks' owners, replayed on restart
-    tenants    tenant table, per-tenant key salting, server secret
-    auth       HMAC challenge-response
-    limits     ServerLimits, Rejected(reason, retry_after)
-    staging    reused buffers for values in flight to or from disk
-    aio        asyncio byte streams (plain, TLS) and frame I/O over kvport.protocol.frame
-    protocol   message fields and their checks
-    stats      the STATS answer (``kvport inspect``)
-    http       /metrics and /healthz
-    metrics    the server's Prometheus collectors
+    app         ServerConfig, KVServer (listen, accept, tick, graceful shutdown), serve()
+    handlers    Handlers: one method per typed request (PUT, GET, LOOKUP, PIN, LEASE, STATS, ...)
+    connection  one connection: state machine, handshake, deadlines, request loop
+    reports     what ``kvport inspect`` shows (STATS, OWNERS, LEAKS), built from the store and the ledger
+    state       ServerState: store, ledger, tenants, limits, metrics, held tally, admission, hit counts,
+                draining; what connections, handlers and reports share
+    storage     open_storage(): one TieredStore (host pages + disk) and its ledger; Attrs kept per block
+    admission   who may hold a connection: a cap on all, on those still logging in, and per peer
+    held        leases and pins charged before they are recorded: per connection, per tenant, in bytes
+    tenants     tenant table, per-tenant key salting, the server secret
+    limits      ServerLimits: every byte a peer can make the server hold, bounded before it is allocated
+    staging     StagingPool: reused buffers for values in flight to or from disk
+    http        /metrics and /healthz
+    metrics     the server's Prometheus collectors
 
-Client: ``client.RemoteTier`` (a :class:`kvport.tiers.base.Tier`), ``pool.ClientConfig``.
+Its client is :mod:`kvport.client` (``RemoteTier``, a :class:`kvport.tiers.base.Tier`); its wire is
+:mod:`kvport.protocol` (``protocol.server``: the requests and answers; ``protocol.aio``: the asyncio
+streams and frame I/O).
 """

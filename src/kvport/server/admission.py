@@ -45,7 +45,7 @@ def parse_networks(cidrs: tuple[str, ...]) -> tuple[Network, ...]:
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class AdmissionDecision:
     """``admit``: the new connection may go on (as pending); ``gave_way``: a pending connection to
     close now to make room; ``refused``: why the new one is closed (None when admitted)."""
 
@@ -81,22 +81,22 @@ class Admission:
             return False
         return any(ip.version == n.version and ip in n for n in self.exempt)
 
-    def admit(self, conn_id: int, peer: str, draining: bool = False) -> Decision:
+    def admit(self, conn_id: int, peer: str, draining: bool = False) -> AdmissionDecision:
         """A connection from ``peer`` was accepted: may it go on, and who gives way for it."""
         if draining:
-            return Decision(False, refused="draining")
+            return AdmissionDecision(False, refused="draining")
         if self.max_per_peer and self._per_peer.get(peer, 0) >= self.max_per_peer and not self.exempt_peer(peer):
-            return Decision(False, refused="per_peer")
+            return AdmissionDecision(False, refused="per_peer")
         victim = None
         if len(self._pending) >= self.max_pending or self.total >= self.max_connections:
             victim = self._victim()
             if victim is None:
-                return Decision(False, refused="full")
+                return AdmissionDecision(False, refused="full")
             self.closed(victim)
         self._pending[conn_id] = peer
         self._count(self._per_peer, peer, 1)
         self._count(self._pending_per_peer, peer, 1)
-        return Decision(True, gave_way=victim)
+        return AdmissionDecision(True, gave_way=victim)
 
     def logged_in(self, conn_id: int) -> None:
         peer = self._pending.pop(conn_id, None)

@@ -39,13 +39,14 @@ from kvport.config import MIN_TOKEN_CHARS
 from kvport.errors import ConfigError, PeerError, TierError
 from kvport.protocol.aio import AsyncStream, BulkIO, SockStream, TlsStream
 from kvport.protocol.net import is_loopback, tune
-from kvport.server.conn import Connection, ConnState
+from kvport.server.connection import Connection, ConnState
 from kvport.server.handlers import Handlers
 from kvport.server.held import held_budget
 from kvport.server.http import HttpEndpoint
 from kvport.server.limits import ServerLimits
 from kvport.server.metrics import ServerMetrics
 from kvport.server.staging import size_class
+from kvport.server.state import ServerState
 from kvport.server.storage import DISK, HOST, host_pool_bytes, open_storage
 from kvport.server.tenants import TenantTable, load_or_create_secret, load_tenants
 from kvport.store import TieredStore
@@ -144,7 +145,8 @@ class KVServer:
         store = open_storage(host_bytes, cfg.page_bytes, cfg.disk_dir, disk_bytes, tenants.quotas(),
                              cfg.limits.max_value_bytes)
         try:
-            self.h = Handlers(store, tenants, cfg.limits, ServerMetrics(), cfg.page_bytes, held_bytes)
+            self.state = ServerState(store, tenants, cfg.limits, ServerMetrics(), cfg.page_bytes, held_bytes)
+            self.handlers = Handlers(self.state)
             self._io = BulkIO(cfg.io_threads)
             try:
                 self._lsock = socket.create_server((cfg.host, cfg.port), backlog=256)
@@ -155,7 +157,7 @@ class KVServer:
             self._lsock.setblocking(False)
             self._accept = asyncio.create_task(self._accept_loop(self._lsock))
             if cfg.http_port is not None:
-                self._http = HttpEndpoint(cfg.host, cfg.http_port, lambda: not self.h.draining, self.h.tick)
+                self._http = HttpEndpoint(cfg.host, cfg.http_port, lambda: not self.state.draining, self.state.tick)
                 self.http_port = await self._http.start()
         except BaseException:
             await self._undo_start(store)
@@ -187,14 +189,14 @@ class KVServer:
                 await asyncio.sleep(0.05)
                 continue
             cid = next(self._ids)
-            decision = self.h.admission.admit(cid, str(addr[0]), self.h.draining)
+            decision = self.state.admission.admit(cid, str(addr[0]), self.state.draining)
             if decision.gave_way is not None:
-                self.h.metrics.refused.labels("gave_way").inc()
+                self.state.metrics.refused.labels("gave_way").inc()
                 gone = self._tasks.get(decision.gave_way)
                 if gone is not None:
                     gone[0].cancel()  # its finally closes the stream
             if not decision.admit:
-                self.h.metrics.refused.labels(decision.refused or "full").inc()
+                self.state.metrics.refused.labels(decision.refused or "full").inc()
                 with contextlib.suppress(OSError):
                     sock.close()
                 continue
@@ -205,9 +207,9 @@ class KVServer:
                 log.debug("tuning %s: %s", peer, exc)
             stream: AsyncStream = SockStream(sock, peer, self._io, limits.write_timeout_s) if self._tls is None else \
                 TlsStream(sock, self._tls, peer, limits.write_timeout_s, limits.handshake_timeout_s)
-            conn = Connection(cid, stream, self.h)
+            conn = Connection(cid, stream, self.state, self.handlers.dispatch)
             self._track(asyncio.create_task(conn.run()), conn)
-            self.h.metrics.pending.set(self.h.admission.pending)
+            self.state.metrics.pending.set(self.state.admission.pending)
 
     def _track(self, task: asyncio.Task[None], conn: Connection) -> None:
         cid = conn.id
@@ -221,12 +223,12 @@ class KVServer:
 
     async def _ticker(self) -> None:
         while True:
-            self.h.tick()
+            self.state.tick()
             await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------ shutdown
     async def shutdown(self) -> None:
-        self.h.draining = True
+        self.state.draining = True
         if self._accept is not None:
             self._accept.cancel()
         if self._lsock is not None:
@@ -246,7 +248,7 @@ class KVServer:
         self._io.close()  # every connection task has ended: no worker holds a socket
         if self._http is not None:
             await self._http.close()
-        store = self.h.store
+        store = self.state.store
         if self.cfg.spill_on_shutdown and DISK in store.tiers:
             moved, stayed = store.spill(HOST)
             log.info("spilled %d host blocks to disk (%d stayed: no room)", moved, stayed)
@@ -271,7 +273,7 @@ async def serve(cfg: ServerConfig, announce: bool = True) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if announce:
-        tiers = server.h.store.tiers
+        tiers = server.state.store.tiers
         print(json.dumps({"event": "listening", "host": cfg.host, "port": server.port, "http_port": server.http_port,
                           "page_bytes": cfg.page_bytes, "host_capacity": tiers[HOST].capacity_bytes,
                           "disk_capacity": tiers[DISK].capacity_bytes if DISK in tiers else 0}), flush=True)

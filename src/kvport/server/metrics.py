@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvport.metrics import counter, gauge
-
-if TYPE_CHECKING:
-    from kvport.server.held import HeldTally
-    from kvport.server.staging import StagingPool
-    from kvport.store import TieredStore
+from kvport.server.held import HeldTally
+from kvport.server.staging import StagingPool
+from kvport.store import TieredStore
 
 
 class ServerMetrics:

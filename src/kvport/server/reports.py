@@ -11,10 +11,8 @@ prefix before it.
 
 from __future__ import annotations
 
-import heapq
 import time
-from collections.abc import Collection, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
 from kvport.ledger import Lease, Owner, Pin
 from kvport.lifetime import Lifetime
@@ -31,58 +29,20 @@ from kvport.protocol.server import (
     TenantUsage,
     TierUsage,
 )
+from kvport.server.state import ServerState
 from kvport.server.storage import Attrs
 from kvport.server.tenants import Tenant
-from kvport.store import TieredStore
-
-if TYPE_CHECKING:
-    from kvport.server.handlers import Handlers
 
 TOP = 10
-_HITS_SLACK = 64  # prune the hit counts once they hold more than 2 x blocks stored + this many
 
 
-class HitCounts:
-    """GETs served per stored block (storage key), for STATS' top prefixes.
-
-    A block leaves (evicted, expired, deleted) without the handlers hearing of it, so the counts of
-    blocks that left are dropped lazily: a GET that finds more than ``2 x stored + 64`` counts
-    drops every count whose block is gone. What stays is at most the blocks stored, so after any
-    GET the table holds at most ``2 x stored + 64`` counts however many blocks a busy server has
-    evicted (the store's blocks are bounded by its capacity), and a prune costs O(1) per GET
-    amortised (it drops more than half of what it reads: the index heap's rule,
-    :mod:`kvport.store.index`). Every stored block keeps its exact count; a block stored again
-    before a prune keeps the count it had (the same key is the same prefix).
-    """
-
-    def __init__(self, stored: TieredStore) -> None:
-        self._stored = stored
-        self._n: dict[bytes, int] = {}
-
-    def hit(self, key: bytes) -> None:
-        self._n[key] = self._n.get(key, 0) + 1
-        if len(self._n) > 2 * len(self._stored) + _HITS_SLACK:
-            self.prune()
-
-    def prune(self) -> None:
-        stored = self._stored
-        self._n = {k: n for k, n in self._n.items() if k in stored}
-
-    def top(self, among: Collection[bytes], n: int) -> list[tuple[bytes, int]]:
-        """The ``n`` most read blocks of ``among`` with their counts, most read first."""
-        return heapq.nlargest(n, ((k, c) for k, c in self._n.items() if k in among), key=lambda kc: kc[1])
-
-    def __len__(self) -> int:
-        return len(self._n)
-
-
-def _tenant_of(h: Handlers, skey: bytes) -> str | None:
-    meta = h.store.meta_of(skey)
+def _tenant_of(srv: ServerState, skey: bytes) -> str | None:
+    meta = srv.store.meta_of(skey)
     return None if meta is None else meta.account
 
 
-def _client_key(h: Handlers, skey: bytes) -> str:
-    meta = h.store.meta_of(skey)
+def _client_key(srv: ServerState, skey: bytes) -> str:
+    meta = srv.store.meta_of(skey)
     return "" if meta is None else Attrs.decode(meta.attrs).client_key.hex()
 
 
@@ -99,12 +59,12 @@ def _lease_row(ls: Lease, now: float) -> LeaseRow:
     return LeaseRow(ls.lease_id, str(ls.holder)[:128], len(ls.keys), round(ls.expires_at - now, 3))
 
 
-def _mine(h: Handlers, tenant: Tenant) -> list[bytes]:
-    return [k for k in h.store.blocks() if tenant.admin or _tenant_of(h, k) == tenant.name]
+def _mine(srv: ServerState, tenant: Tenant) -> list[bytes]:
+    return [k for k in srv.store.blocks() if tenant.admin or _tenant_of(srv, k) == tenant.name]
 
 
-def stats(h: Handlers, tenant: Tenant, brief: bool, list_keys: bool) -> StatsAnswer:
-    store = h.store
+def stats(srv: ServerState, tenant: Tenant, brief: bool, list_keys: bool) -> StatsAnswer:
+    store = srv.store
     capacity = sum(t.capacity_bytes for t in store.tiers.values())
     used, _ = store.usage(tenant.name)
     keys: tuple[bytes, ...] = ()
@@ -117,22 +77,21 @@ def stats(h: Handlers, tenant: Tenant, brief: bool, list_keys: bool) -> StatsAns
     now = time.monotonic()
     st = store.stats()
     conns: dict[str, int] = {}
-    for c in h.connections.values():
-        if c.tenant is not None:
-            conns[c.tenant.name] = conns.get(c.tenant.name, 0) + 1
+    for who in srv.logged_in.values():
+        conns[who.name] = conns.get(who.name, 0) + 1
     tenants = []
-    for name in h.tenants.names():
+    for name in srv.tenants.names():
         if not tenant.admin and name != tenant.name:
             continue
-        t = h.tenants.get(name)
+        t = srv.tenants.get(name)
         b, n = store.usage(name)
         tenants.append(TenantUsage(name, b, n, None if t is None else t.quota_bytes, conns.get(name, 0)))
-    h.hits.prune()
-    mine_set = set(_mine(h, tenant))
-    top_rows = [PrefixRow(_tenant_of(h, k) or "", _client_key(h, k), n, store.size_of(k) or 0,
-                          (store.where(k) or ("",))[0]) for k, n in h.hits.top(mine_set, TOP)]
-    pins = [_pin_row(p, now, _client_key(h, p.key)) for p in h.ledger.pins() if p.key in mine_set][:MAX_ROWS]
-    leases = [_lease_row(ls, now) for ls in h.ledger.leases() if _visible(ls.holder, tenant)][:MAX_ROWS]
+    srv.hits.prune()
+    mine_set = set(_mine(srv, tenant))
+    top_rows = [PrefixRow(_tenant_of(srv, k) or "", _client_key(srv, k), n, store.size_of(k) or 0,
+                          (store.where(k) or ("",))[0]) for k, n in srv.hits.top(mine_set, TOP)]
+    pins = [_pin_row(p, now, _client_key(srv, p.key)) for p in srv.ledger.pins() if p.key in mine_set][:MAX_ROWS]
+    leases = [_lease_row(ls, now) for ls in srv.ledger.leases() if _visible(ls.holder, tenant)][:MAX_ROWS]
     if tenant.admin:
         tier_used, tier_blocks = st.used_bytes, st.blocks
     else:  # a tenant's own: other tenants' use of a tier is theirs to know
@@ -144,14 +103,15 @@ def stats(h: Handlers, tenant: Tenant, brief: bool, list_keys: bool) -> StatsAns
                 tier_blocks[tier] += 1
     server = ServerUsage(
         tiers=tuple(TierUsage(n, tier_used[n], store.tiers[n].capacity_bytes, tier_blocks[n]) for n in store.names),
-        page_bytes=h.page_bytes, connections=len(h.connections) if tenant.admin else conns.get(tenant.name, 0),
-        staging_bytes=h.pool.allocated if tenant.admin else 0, draining=h.draining, uptime_s=round(now - h.started, 3))
+        page_bytes=srv.page_bytes, connections=len(srv.logged_in) if tenant.admin else conns.get(tenant.name, 0),
+        staging_bytes=srv.pool.allocated if tenant.admin else 0, draining=srv.draining,
+        uptime_s=round(now - srv.started, 3))
     return StatsAnswer(capacity, tenant.quota_bytes, used, server, tuple(tenants), tuple(top_rows), tuple(pins),
                        tuple(leases), keys)
 
 
-def _owners_row(h: Handlers, skey: bytes, now: float) -> BlockOwners | None:
-    store, led = h.store, h.ledger
+def _owners_row(srv: ServerState, skey: bytes, now: float) -> BlockOwners | None:
+    store, led = srv.store, srv.ledger
     meta = store.meta_of(skey)
     if meta is None:
         return None
@@ -165,50 +125,50 @@ def _owners_row(h: Handlers, skey: bytes, now: float) -> BlockOwners | None:
         handed_off_by=str(rec.origin)[:128] if rec and rec.origin else "",
         lifetime=meta.lifetime or Lifetime.PREFIX, expires_in_s=None if exp is None else round(exp - now, 3),
         tiers=store.where(skey), length=store.size_of(skey) or 0,
-        parent="" if parent is None else _client_key(h, parent), children=store.children_of(skey),
+        parent="" if parent is None else _client_key(srv, parent), children=store.children_of(skey),
         pins=tuple(_pin_row(p, now) for p in rec.pins) if rec else (),
         leases=tuple(_lease_row(ls, now) for ls in rec.leases) if rec else ())
 
 
-def owners(h: Handlers, tenant: Tenant, keys: Iterable[bytes], prefix: str) -> OwnersAnswer:
+def owners(srv: ServerState, tenant: Tenant, keys: Iterable[bytes], prefix: str) -> OwnersAnswer:
     """Rows for the tenant's blocks named by ``keys``; a single key also brings the chain it ends
     (its ancestors, root first); ``prefix``: every block whose client key starts with that hex."""
     now = time.monotonic()
     want: list[bytes] = []
     ks = list(keys)
     for k in ks:
-        sk = h.tenants.storage_key(tenant.name, k)
+        sk = srv.tenants.storage_key(tenant.name, k)
         if len(ks) == 1:  # the prefix this key ends: walk up the chain
             chain: list[bytes] = []
             cur: bytes | None = sk
-            while cur is not None and cur in h.store and len(chain) < MAX_ROWS:
+            while cur is not None and cur in srv.store and len(chain) < MAX_ROWS:
                 chain.append(cur)
-                cur = h.store.parent_of(cur)
+                cur = srv.store.parent_of(cur)
             want.extend(reversed(chain))
         else:
             want.append(sk)
     if prefix:
         p = prefix.lower()
-        want.extend(k for k in _mine(h, tenant) if _client_key(h, k).startswith(p))
-    rows = [r for r in (_owners_row(h, k, now) for k in want[:MAX_ROWS]) if r is not None]
+        want.extend(k for k in _mine(srv, tenant) if _client_key(srv, k).startswith(p))
+    rows = [r for r in (_owners_row(srv, k, now) for k in want[:MAX_ROWS]) if r is not None]
     return OwnersAnswer(tuple(rows), truncated=len(want) > MAX_ROWS)
 
 
-def leaks(h: Handlers, tenant: Tenant) -> LeaksAnswer:
+def leaks(srv: ServerState, tenant: Tenant) -> LeaksAnswer:
     """Pins and leases past their TTL that the reaper has not removed yet, blocks stored without a
     ledger record (no owner), ledger records whose bytes are gone, and children kept without their
     parent. All empty on a healthy server."""
     now = time.monotonic()
-    store, led = h.store, h.ledger
-    mine = _mine(h, tenant)
+    store, led = srv.store, srv.ledger
+    mine = _mine(srv, tenant)
     rep = led.leak_report(now)
     mine_set = set(mine)
-    stale = tuple(_pin_row(p, now, _client_key(h, p.key)) for p in rep.stale_pins if p.key in mine_set)
+    stale = tuple(_pin_row(p, now, _client_key(srv, p.key)) for p in rep.stale_pins if p.key in mine_set)
     expired = tuple(_lease_row(ls, now) for ls in rep.expired_leases if _visible(ls.holder, tenant))
-    without = tuple(_client_key(h, k) for k in mine if not led.knows(k))
+    without = tuple(_client_key(srv, k) for k in mine if not led.knows(k))
     unstored = tuple(k.hex() for k in led.blocks() if k not in store and (tenant.admin or False))
-    orphans = tuple(_client_key(h, k) for k in mine if (p := store.parent_of(k)) is not None and p not in store)
-    meta_orphans = tuple(_client_key(h, k) for k in mine
+    orphans = tuple(_client_key(srv, k) for k in mine if (p := store.parent_of(k)) is not None and p not in store)
+    meta_orphans = tuple(_client_key(srv, k) for k in mine
                          if (m := store.meta_of(k)) is not None and m.parent is not None and m.parent not in store)
     return LeaksAnswer(stale[:MAX_ROWS], expired[:MAX_ROWS], without[:MAX_ROWS], unstored[:MAX_ROWS],
                        tuple(dict.fromkeys(orphans + meta_orphans))[:MAX_ROWS])

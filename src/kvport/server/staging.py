@@ -19,7 +19,7 @@ def size_class(n: int) -> int:
 
 
 @dataclass(slots=True)
-class Staging:
+class StagingBuffer:
     buf: bytearray
     size: int  # requested bytes; view() is exactly this long
 
@@ -39,7 +39,7 @@ class StagingPool:
         self.lent = 0
         self.peak_allocated = 0
 
-    def try_take(self, n: int) -> Staging | None:
+    def try_take(self, n: int) -> StagingBuffer | None:
         cls = size_class(n)
         free = self._free.get(cls)
         if free:
@@ -54,9 +54,9 @@ class StagingPool:
             self.allocated += cls
             self.peak_allocated = max(self.peak_allocated, self.allocated)
         self.lent += cls
-        return Staging(buf, n)
+        return StagingBuffer(buf, n)
 
-    def give(self, s: Staging) -> None:
+    def give(self, s: StagingBuffer) -> None:
         self.lent -= s.class_bytes
         self._free.setdefault(s.class_bytes, []).append(s.buf)
 

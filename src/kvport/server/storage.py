@@ -40,7 +40,7 @@ from kvport.tiers.base import fs_room
 from kvport.tiers.disk import DiskTier
 from kvport.tiers.host import HostTier
 from kvport.tiers.journal import Journal
-from kvport.tiers.paged import PagedTier
+from kvport.tiers.paged_tier import PagedTier
 
 log = logging.getLogger(__name__)
 

@@ -3,6 +3,16 @@
 Public API: :class:`TieredStore`, :class:`LookupResult`, :class:`StoreStats`, :class:`TierPolicy`,
 :class:`WriteMode`, :class:`Lifetime`, :class:`LifetimeRule`, :class:`LifetimePolicy`,
 :class:`TierIndex` and the eviction policies (:func:`make_policy`: ``"slru"`` default, ``"lru"``, ``"lfu"``).
+
+::
+
+    tiered     TieredStore: where each block sits, decided by lifetime rules and the eviction policy
+    types      values that cross the store's boundary: TierPolicy, WriteMode, LookupResult, StoreStats
+    index      TierIndex: what one tier holds as the store sees it (sizes, prefix tree, eviction order)
+    eviction   eviction policies as priority rules: the lowest-priority leaf leaves first
+    lifetime   LifetimePolicy / LifetimeRule: each lifetime class mapped to tiers and TTLs
+    behind     write-behind: a tier's copies written by one background thread after the put returned
+    health     broken-tier tracking: a tier that was unavailable is skipped until a probe succeeds
 """
 
 from kvport.lifetime import Lifetime

@@ -405,7 +405,7 @@ class DiskTier(Tier):
 
 
 @dataclass(frozen=True, slots=True)
-class _Entry:
+class _SlabEntry:
     slab: str
     key: bytes
     index: int
@@ -433,7 +433,7 @@ def _writer_alive(name: str) -> bool | None:
     return True
 
 
-def _read_table(path: Path) -> list[_Entry]:
+def _read_table(path: Path) -> list[_SlabEntry]:
     """Live entries of a slab that lie inside the file; [] for a file that is not a slab."""
     slab = path.name[: -len(_SUFFIX)]
     try:
@@ -448,12 +448,12 @@ def _read_table(path: Path) -> list[_Entry]:
             table = f.read(m * ENTRY_BYTES)
     except OSError:
         return []
-    out: list[_Entry] = []
+    out: list[_SlabEntry] = []
     for i in range(m):
         key, off, n, digest, flags = _ENTRY.unpack_from(table, i * ENTRY_BYTES)
         if flags & _DELETED or off < HEAD_BYTES + m * ENTRY_BYTES or off + n > size:
             continue
-        out.append(_Entry(slab, key, i, off, n, digest))
+        out.append(_SlabEntry(slab, key, i, off, n, digest))
     return out
 
 

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 from kvport.bench.faults.env import Env, Setup
 from kvport.bench.faults.oracle import Chat
 from kvport.bench.faults.procs import ProxyProc
-from kvport.bench.faults.router import Answer
+from kvport.bench.faults.router import RoutedAnswer
 from kvport.protocol.frame import MsgType
 
 LAYER, BEGIN, GET = int(MsgType.LAYER), int(MsgType.TRANSFER_BEGIN), int(MsgType.GET)
@@ -65,10 +65,10 @@ class FaultClass:
     def before(self, env: Env, inj: Injection) -> None:
         return None
 
-    def during(self, env: Env, inj: Injection, turn: Future[Answer]) -> None:
+    def during(self, env: Env, inj: Injection, turn: Future[RoutedAnswer]) -> None:
         return None
 
-    def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+    def after(self, env: Env, inj: Injection, ans: RoutedAnswer | None) -> None:
         return None
 
     def finish(self, env: Env) -> None:
@@ -81,7 +81,8 @@ def proxy_of(env: Env) -> ProxyProc:
     return env.link.proxy
 
 
-def wait_event(proxy: ProxyProc, event: str, turn: Future[Answer], timeout_s: float = 30.0) -> dict[str, Any] | None:
+def wait_event(proxy: ProxyProc, event: str, turn: Future[RoutedAnswer],
+               timeout_s: float = 30.0) -> dict[str, Any] | None:
     """The proxy's next ``event``, or None once the turn finished without it or ``timeout_s`` passed."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

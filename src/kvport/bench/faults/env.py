@@ -30,7 +30,7 @@ from typing import Any
 
 from kvport.bench.faults.oracle import Chat, Oracle
 from kvport.bench.faults.procs import Netns, ProxyProc, RedisProc, ServerProc, Tmpfs, free_port
-from kvport.bench.faults.router import Answer, Link, Router, WorkerConfig, Workers
+from kvport.bench.faults.router import ProxiedLink, RoutedAnswer, Router, WorkerConfig, Workers
 from kvport.client import ClientConfig, RemoteTier
 from kvport.errors import KVPortError
 from kvport.keys import KeyContext, chain_keys
@@ -77,7 +77,7 @@ class Env:
         stack.callback(self._pool_exec.shutdown, wait=False, cancel_futures=True)
         self.setup: Setup | None = None
         self.unreadable_why: list[str] = []
-        self.link: Link | None = None
+        self.link: ProxiedLink | None = None
         self.netns: Netns | None = None
         self.redis: RedisProc | None = None
         self.tmpfs: Tmpfs | None = None
@@ -102,7 +102,7 @@ class Env:
             if self.netns is not None:
                 self.netns.close()
             self.netns = Netns() if want.netns else None
-            self.link = Link(self.netns)
+            self.link = ProxiedLink(self.netns)
         if want.redis and self.redis is None:
             self.redis = RedisProc(self.tmp / "redis")
             self.redis.start()
@@ -168,7 +168,7 @@ class Env:
         self.chats += 1
         return self.oracle.chat(f"{name}-{self.chats}", self.seed * 1_000_003 + self.chats, turns, self.lengths)
 
-    def start_turn(self, chat: Chat, t: int, hang_s: float) -> Future[Answer]:
+    def start_turn(self, chat: Chat, t: int, hang_s: float) -> Future[RoutedAnswer]:
         hang_at = time.monotonic() + hang_s
         return self._pool_exec.submit(self.router.request, f"{chat.cid}/t{t + 1}", list(chat.prompts[t]), hang_at)
 
@@ -258,7 +258,7 @@ class Env:
         """The disk page keys ``key``'s value may use (its first ``most``): the server stores a value
         as pages keyed by the tenant's storage key and the page's index."""
         from kvport.server.tenants import SECRET_FILE, Tenant, TenantTable
-        from kvport.tiers.paged import page_keys
+        from kvport.tiers.paged_tier import page_keys
 
         secret = (self.disk / SECRET_FILE).read_bytes()
         return page_keys(TenantTable([Tenant("default")], secret).storage_key("default", key), most)

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 from kvport.bench.faults.classes import BEGIN, LAYER, FaultClass, Injection, proxy_of, wait_event
 from kvport.bench.faults.env import Env, Setup
 from kvport.bench.faults.proxy import SPEC_CHANGES
-from kvport.bench.faults.router import Answer
+from kvport.bench.faults.router import RoutedAnswer
 
 
 class _ProxyFault(FaultClass):
@@ -32,12 +32,12 @@ class _ProxyFault(FaultClass):
         inj.data["nth"] = self.rng.randint(1, env.spec.num_layers)
         self.arm(env, inj, action=self.action, type=LAYER, nth=inj.data["nth"])
 
-    def during(self, env: Env, inj: Injection, turn: Future[Answer]) -> None:
+    def during(self, env: Env, inj: Injection, turn: Future[RoutedAnswer]) -> None:
         ev = wait_event(proxy_of(env), "injected", turn)
         inj.applied = ev is not None
         inj.detail = "" if ev is not None else "the stream ended before the armed frame"
 
-    def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+    def after(self, env: Env, inj: Injection, ans: RoutedAnswer | None) -> None:
         proxy_of(env).send("disarm")
 
 
@@ -70,7 +70,7 @@ class SpecMismatch(_ProxyFault):
         inj.data["field"] = self.FIELDS[(inj.i - 1) % len(self.FIELDS)]
         self.arm(env, inj, action="spec", type=BEGIN, nth=1, field=inj.data["field"])
 
-    def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+    def after(self, env: Env, inj: Injection, ans: RoutedAnswer | None) -> None:
         super().after(env, inj, ans)
         f = inj.data["field"]
         named = "tp_size" if f == "tp_rank" else f  # a tp_rank alone cannot differ from a tp_size-1 spec
@@ -93,7 +93,7 @@ class _Kill(FaultClass):
         inj.data["nth"] = self.rng.randint(1, env.spec.num_layers - 1)
         p.send("arm", action="hold", type=LAYER, nth=inj.data["nth"])
 
-    def during(self, env: Env, inj: Injection, turn: Future[Answer]) -> None:
+    def during(self, env: Env, inj: Injection, turn: Future[RoutedAnswer]) -> None:
         p = proxy_of(env)
         if wait_event(p, "held", turn) is None:
             inj.detail = "the stream ended before the armed frame"
@@ -102,7 +102,7 @@ class _Kill(FaultClass):
         inj.applied = True
         p.send("release")
 
-    def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+    def after(self, env: Env, inj: Injection, ans: RoutedAnswer | None) -> None:
         proxy_of(env).send("disarm")
         if ans is not None:
             self.count("retried_requests", int(ans.retries > 0))
@@ -135,7 +135,7 @@ class SlowReader(FaultClass):
         else:
             p.send("arm", action="hold", type=LAYER, nth=self.rng.randint(1, env.spec.num_layers // 2))
 
-    def during(self, env: Env, inj: Injection, turn: Future[Answer]) -> None:
+    def during(self, env: Env, inj: Injection, turn: Future[RoutedAnswer]) -> None:
         if inj.data["mode"] == "throttle":
             return
         p = proxy_of(env)
@@ -148,7 +148,7 @@ class SlowReader(FaultClass):
         time.sleep(self.PAUSE_S)
         env.workers.signal("decode", signal.SIGCONT)
 
-    def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+    def after(self, env: Env, inj: Injection, ans: RoutedAnswer | None) -> None:
         env.workers.signal("decode", signal.SIGCONT)
         proxy_of(env).send("disarm")
         if inj.applied:
@@ -167,7 +167,7 @@ class Partition(FaultClass):
         p.drain()
         p.send("arm", action="hold", type=LAYER, nth=self.rng.randint(1, env.spec.num_layers - 1))
 
-    def during(self, env: Env, inj: Injection, turn: Future[Answer]) -> None:
+    def during(self, env: Env, inj: Injection, turn: Future[RoutedAnswer]) -> None:
         p = proxy_of(env)
         if wait_event(p, "held", turn) is None or env.netns is None:
             inj.detail = "the stream ended before the armed frame"
@@ -176,7 +176,7 @@ class Partition(FaultClass):
         inj.applied = True
         p.send("release")
 
-    def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+    def after(self, env: Env, inj: Injection, ans: RoutedAnswer | None) -> None:
         if env.netns is not None:
             env.netns.up()
         proxy_of(env).send("disarm")

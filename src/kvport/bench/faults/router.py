@@ -55,7 +55,7 @@ class WorkerConfig:
     prefill_shared_port: int | None = None  # else shared_port
 
 
-class Link:
+class ProxiedLink:
     """The prefill -> decode link: the frame-aware fault proxy, optionally via a network namespace."""
 
     def __init__(self, netns: Netns | None = None) -> None:
@@ -85,7 +85,7 @@ class Link:
 
 
 @dataclass(slots=True)
-class Answer:
+class RoutedAnswer:
     rid: str
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
@@ -112,12 +112,12 @@ class Answer:
 
 
 class Workers:
-    """The prefill and decode worker processes (the demo's), connected through a :class:`Link`."""
+    """The prefill and decode worker processes (the demo's), connected through a :class:`ProxiedLink`."""
 
     def __init__(self, model_dir: Path, threads: int = 1, budget_bytes: int = 4 << 20) -> None:
         self.model_dir, self.threads, self.budget = model_dir, threads, budget_bytes
         self.cfg: WorkerConfig | None = None
-        self.link: Link | None = None
+        self.link: ProxiedLink | None = None
         self.pw: Worker | None = None
         self.dw: Worker | None = None
         self.generation = 0
@@ -133,7 +133,7 @@ class Workers:
                 "budget_bytes": self.budget, "max_blocks": 1024, "owner": f"decode-{self.generation}",
                 "peer": "prefill", "load_deadline": cfg.load_deadline, "redis_url": cfg.redis_url}
 
-    def start(self, cfg: WorkerConfig, link: Link) -> None:
+    def start(self, cfg: WorkerConfig, link: ProxiedLink) -> None:
         """Both workers with ``cfg`` over ``link`` (whatever ran before is stopped)."""
         self.close()
         self.cfg, self.link = cfg, link
@@ -214,9 +214,9 @@ class Router:
         self.bs, self.shared_prefix, self.max_new = block_size, shared_prefix_tokens, max_new
         self.link_gbps = link_gbps
 
-    def request(self, rid: str, prompt: list[int], hang_at: float) -> Answer:
+    def request(self, rid: str, prompt: list[int], hang_at: float) -> RoutedAnswer:
         t0 = time.monotonic()
-        ans = Answer(rid)
+        ans = RoutedAnswer(rid)
         while True:
             try:
                 self._once(f"{rid}~{ans.retries}" if ans.retries else rid, prompt, hang_at, ans)
@@ -233,7 +233,7 @@ class Router:
         ans.seconds = time.monotonic() - t0
         return ans
 
-    def _once(self, rid: str, prompt: list[int], hang_at: float, ans: Answer) -> None:
+    def _once(self, rid: str, prompt: list[int], hang_at: float, ans: RoutedAnswer) -> None:
         pw, dw = self.w.pw, self.w.dw
         if pw is None or dw is None:
             raise PeerError("workers not started")

@@ -33,7 +33,7 @@ from typing import ClassVar
 
 from kvport.bench.faults.classes import GET, FaultClass, Injection, wait_event
 from kvport.bench.faults.env import Env, ServerProfile, Setup
-from kvport.bench.faults.router import Answer
+from kvport.bench.faults.router import RoutedAnswer
 from kvport.errors import KVPortError
 from kvport.lifetime import Lifetime
 from kvport.protocol.rejects import Rejected
@@ -42,7 +42,7 @@ from kvport.protocol.server import PinSpec
 MiB = 1 << 20
 
 
-def _sleep_unless_done(turn: Future[Answer], seconds: float) -> bool:
+def _sleep_unless_done(turn: Future[RoutedAnswer], seconds: float) -> bool:
     """Sleep ``seconds``; False when the turn finished meanwhile."""
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -76,14 +76,14 @@ class KillServer(FaultClass):
         inj.data["durable"], orphans = env.durable_keys()
         self.count("disk_blocks_below_a_host_parent", orphans)
 
-    def during(self, env: Env, inj: Injection, turn: Future[Answer]) -> None:
+    def during(self, env: Env, inj: Injection, turn: Future[RoutedAnswer]) -> None:
         if not _sleep_unless_done(turn, self.rng.uniform(0.0, self.MAX_DELAY_S)):
             inj.detail = "the turn was answered before the kill"
             return
         env.server.kill()
         inj.applied = True
 
-    def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+    def after(self, env: Env, inj: Injection, ans: RoutedAnswer | None) -> None:
         if inj.applied:
             env.restart_server()
         durable: list[bytes] = inj.data["durable"]
@@ -100,7 +100,7 @@ class RedisRestart(FaultClass):
     name, turns = "redis_restart", 2
     setup = Setup(redis=True)
 
-    def during(self, env: Env, inj: Injection, turn: Future[Answer]) -> None:
+    def during(self, env: Env, inj: Injection, turn: Future[RoutedAnswer]) -> None:
         if not _sleep_unless_done(turn, self.rng.uniform(0.0, 0.05)):
             inj.detail = "the turn was answered before the restart"
             return
@@ -109,7 +109,7 @@ class RedisRestart(FaultClass):
             env.redis.start()
             inj.applied = True
 
-    def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+    def after(self, env: Env, inj: Injection, ans: RoutedAnswer | None) -> None:
         cached = len(env.cached_keys(inj.chat, 1)) * env.spec.block_size
         if ans is not None and inj.applied and int(ans.prefill.get("hit_tokens") or 0) < cached:
             self.count("turns_that_missed_blocks_redis_lost")
@@ -160,7 +160,7 @@ class _DiskDamage(FaultClass):
         inj.data["ancestors"] = [k for k in anc if k not in destroyed]
         inj.data["destroyed"] = [target, *destroyed]
 
-    def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+    def after(self, env: Env, inj: Injection, ans: RoutedAnswer | None) -> None:
         # the server finds the damage now if the turn did not read those blocks (a load that ended
         # before them): a later injection must not pin, as an intact ancestor, a block this one destroyed
         env.readable(inj.data.get("destroyed", []))
@@ -216,14 +216,14 @@ class ServerStall(FaultClass):
         keys = env.keys(list(inj.chat.prompts[0]) + list(inj.chat.expected[0].tokens[:-1]))
         inj.data["saved"] = [k for k, p in zip(keys, env.present(keys), strict=True) if p]
 
-    def during(self, env: Env, inj: Injection, turn: Future[Answer]) -> None:
+    def during(self, env: Env, inj: Injection, turn: Future[RoutedAnswer]) -> None:
         if not _sleep_unless_done(turn, self.rng.uniform(0.0, 0.3)):
             inj.detail = "the turn was answered before the stop"
             return
         env.server.signal(signal.SIGSTOP)
         inj.applied = True
 
-    def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+    def after(self, env: Env, inj: Injection, ans: RoutedAnswer | None) -> None:
         env.server.signal(signal.SIGCONT)
         inj.lost = _missing(env, inj.data["saved"])
 
@@ -260,7 +260,7 @@ class DiskFull(FaultClass):
         env.tmpfs.fill(64 << 10)
         inj.applied = True
 
-    def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+    def after(self, env: Env, inj: Injection, ans: RoutedAnswer | None) -> None:
         if env.tmpfs is not None:
             env.tmpfs.unfill()
         pinned: list[bytes] = inj.data.get("pinned", [])
@@ -313,7 +313,7 @@ class TierFull(FaultClass):
         inj.applied = isinstance(probe, Rejected)
         inj.detail = "" if inj.applied else "the tier took a write"
 
-    def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+    def after(self, env: Env, inj: Injection, ans: RoutedAnswer | None) -> None:
         inj.lost = _missing(env, self.pinned)
         if ans is not None and ans.decode.get("store_error"):
             self.count("saves_refused")
@@ -347,7 +347,7 @@ class LeaseExpiry(FaultClass):
         env.server_proxy.drain()
         env.server_proxy.send("arm", action="hold", type=GET, nth=2)
 
-    def during(self, env: Env, inj: Injection, turn: Future[Answer]) -> None:
+    def during(self, env: Env, inj: Injection, turn: Future[RoutedAnswer]) -> None:
         p = env.server_proxy
         keys: list[bytes] = inj.data.get("keys", [])
         if p is None or not keys or wait_event(p, "held", turn, 10.0) is None:
@@ -368,7 +368,7 @@ class LeaseExpiry(FaultClass):
         self.count("removed_after_lapse", int(removed > 0))
         p.send("release")
 
-    def after(self, env: Env, inj: Injection, ans: Answer | None) -> None:
+    def after(self, env: Env, inj: Injection, ans: RoutedAnswer | None) -> None:
         if env.server_proxy is not None:
             env.server_proxy.send("disarm")
 

@@ -43,7 +43,7 @@ from kvport.bench.faults.classes import Control, FaultClass, Injection
 from kvport.bench.faults.env import Env, Setup, describe
 from kvport.bench.faults.link import LINK_CLASSES
 from kvport.bench.faults.oracle import Oracle, compare
-from kvport.bench.faults.router import Answer
+from kvport.bench.faults.router import RoutedAnswer
 from kvport.bench.faults.storage import STORE_CLASSES
 from kvport.bench.harness import Report, SuiteOptions, conditions, finish
 from kvport.errors import ConfigError, KVPortError
@@ -74,7 +74,7 @@ class Tally:
         self.not_recovered_why: list[str] = []
         self.max_logprob_diff = 0.0
 
-    def answer(self, ans: Answer, chat_turn: tuple[Any, int], fault: bool) -> None:
+    def answer(self, ans: RoutedAnswer, chat_turn: tuple[Any, int], fault: bool) -> None:
         chat, t = chat_turn
         c = self.c
         c["requests"] += 1
@@ -106,7 +106,7 @@ class Tally:
             c["wrong_outputs"] += 1
             self._sample(ans, v.detail)
 
-    def _sample(self, ans: Answer, why: str) -> None:
+    def _sample(self, ans: RoutedAnswer, why: str) -> None:
         if len(self.samples) < MAX_SAMPLES:
             self.samples.append({"rid": ans.rid, "why": why, "prefill_fallback": ans.prefill.get("fallback"),
                                  "transfer_error": ans.prefill.get("transfer_error"),
@@ -124,7 +124,7 @@ class Tally:
         return out
 
 
-def _where(env: Env, tally: Tally, ans: Answer) -> None:
+def _where(env: Env, tally: Tally, ans: RoutedAnswer) -> None:
     """Where a hung request waits (py-spy of both workers, when installed), taken before the fault
     is lifted."""
     where: dict[str, Any] = {"rid": ans.rid, "waiting_on": ans.hung}
@@ -171,7 +171,7 @@ def _inject(env: Env, cls: FaultClass, inj: Injection, tally: Tally, hang_s: flo
             return
     cls.before(env, inj)
     turn = env.start_turn(chat, cls.turns - 1, hang_s)
-    ans: Answer | None = None
+    ans: RoutedAnswer | None = None
     try:
         cls.during(env, inj, turn)
         ans = turn.result(timeout=hang_s + 600)

@@ -45,7 +45,7 @@ from kvport.evidence.limits import raw_socket_gbps
 
 
 @dataclass
-class Tally:
+class VllmTally:
     c: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("injected", "requests", "wrong_outputs", "hung", "failed", "recomputed", "lost_committed",
          "not_recovered"), 0))
@@ -92,7 +92,7 @@ class Tally:
 
 def run_class(env: VllmEnv, cls: VClass, n: int, rng: random.Random, lo: int, hi: int) -> dict[str, Any]:
     t0 = time.monotonic()
-    tally = Tally()
+    tally = VllmTally()
     attempts = 0
     while tally.c["injected"] < n and attempts < n + max(2, n // 2):
         attempts += 1
@@ -150,7 +150,7 @@ def run(opts: SuiteOptions) -> Report:
     with contextlib.ExitStack() as stack:
         env = VllmEnv(stack, model, hang_s, max_new)
         results["engines_up_s"] = round(time.monotonic() - t0, 1)
-        control = Tally()
+        control = VllmTally()
         for _ in range(2):
             p = random_prompt(rng, lo, hi)
             ref = env.reference(p)

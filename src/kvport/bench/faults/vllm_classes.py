@@ -80,7 +80,7 @@ class LayerDuplicated(VClass):
         return self._armed(prompt, action="dup", type=int(MsgType.LAYER), nth=self.rng.randrange(1, _layers() + 1))
 
 
-class SpecMismatch(VClass):
+class VllmSpecMismatch(VClass):
     name = "spec_mismatch"
     keeps = True
     promise = "a TRANSFER_BEGIN for another spec (each compat field) is refused before any byte: the store copy loads"
@@ -258,7 +258,7 @@ class DecodeKilledDuringLoad(VClass):
         return out
 
 
-class DiskFull(VClass):
+class VllmDiskFull(VClass):
     name = "disk_full"
     keeps = True
     promise = "the engines' disk tier full: the stream lands, saves that do not fit are dropped, answers right"
@@ -272,6 +272,6 @@ class DiskFull(VClass):
 
 
 CLASSES: dict[str, type[VClass]] = {c.name: c for c in (
-    StreamCut, LayerCorrupted, LayerDuplicated, SpecMismatch, StreamReused, InboxFull, ProducerFrozen, ServerStalled,
-    DiskFull, ServerKilled, ProducerKilled, DecodeKilledBeforeLoad, DecodeKilledDuringLoad)}
+    StreamCut, LayerCorrupted, LayerDuplicated, VllmSpecMismatch, StreamReused, InboxFull, ProducerFrozen,
+    ServerStalled, VllmDiskFull, ServerKilled, ProducerKilled, DecodeKilledBeforeLoad, DecodeKilledDuringLoad)}
 QUICK = ("stream_cut", "layer_corrupted", "spec_mismatch", "stream_reused", "inbox_full")

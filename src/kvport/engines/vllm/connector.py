@@ -99,8 +99,7 @@ from kvport.engines.vllm.gate import gate
 from kvport.errors import EngineError, KVPortError
 from kvport.keys import KeyContext
 from kvport.ledger import Ledger
-from kvport.planner import Planner as CostPlanner
-from kvport.planner import Profile
+from kvport.planner import Planner, Profile
 from kvport.spec import KVSpec
 from kvport.store import TieredStore
 from kvport.transfer.handoff import engine_owner
@@ -108,7 +107,7 @@ from kvport.transfer.handoff import engine_owner
 from .config import ConnectorConfig
 from .identity import check_expected, engine_spec
 from .paged import PagedKV
-from .plan import BlockCopy, HandOff, Planner, ScheduledRequest, StepPlan
+from .plan import BlockCopy, HandOff, ScheduledRequest, StepPlan, StepPlanner
 from .spin import limit_idle_spin
 from .stream import DEST_KEY, STREAM_OUTCOMES, Inbox, InboxServer, StreamOut, is_stream_id, new_stream_id, parse_dest
 from .worker import SECONDS, AsyncLoads, BlockMover, WorkerStats
@@ -198,11 +197,11 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.store = open_connector_store(self.cfg, self.spec)
         self.key_context = KeyContext(block_size=self.spec.block_size, spec_fingerprint=self.spec.fingerprint,
                                       tenant_salt=self.cfg.tenant_salt)
-        self.planner = Planner(self.key_context, self.store.contains,
-                               prefix=lambda keys: self.store.lookup(keys).prefix_blocks,
-                               contains_many=self.store.contains_many)
+        self.planner = StepPlanner(self.key_context, self.store.contains,
+                                   prefix=lambda keys: self.store.lookup(keys).prefix_blocks,
+                                   contains_many=self.store.contains_many)
         # the cost planner (transfer vs recompute) gates lookups when a calibration profile is configured
-        self.cost_planner = None if self.cfg.profile_path is None else CostPlanner(Profile.load(self.cfg.profile_path))
+        self.cost_planner = None if self.cfg.profile_path is None else Planner(Profile.load(self.cfg.profile_path))
         self.mover: BlockMover | None = None
         self.matched_tokens = 0  # scheduler side: tokens promised to vLLM by lookups that it accepted
         role = self._kv_transfer_config.kv_role

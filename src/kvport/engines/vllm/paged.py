@@ -92,7 +92,7 @@ class PagedKV:
         self.arrays[layer][block_ids] = src
 
 
-class Staging:
+class StagingSlots:
     """``capacity`` slots of one stored block each, allocated and touched once, reused for every load::
 
         slot j:  [ envelope header (header bytes) | layer 0 slab | layer 1 slab | ... | layer L-1 slab ]

@@ -111,7 +111,7 @@ class ScheduledRequest:
     replace: bool
 
 
-class Planner:
+class StepPlanner:
     """Per-request state between ``get_num_new_matched_tokens`` and the request's end."""
 
     def __init__(self, ctx: KeyContext, contains: Callable[[BlockKey], bool],

@@ -44,7 +44,7 @@ from kvport.keys import BlockKey
 from kvport.spec import KVSpec
 from kvport.store import TieredStore
 
-from .paged import PagedKV, Staging
+from .paged import PagedKV, StagingSlots
 from .plan import BlockCopy
 from .stream import Inbox
 
@@ -86,7 +86,7 @@ class BlockMover:
         self.paged = paged
         self.format = block_format(spec)  # every stored block: envelope + the block's slabs
         h = self.format.header_len
-        self.staging = Staging(spec, staging_blocks, header=h)
+        self.staging = StagingSlots(spec, staging_blocks, header=h)
         # save buffer: one stored value per block of a batched put; touched now, like the staging
         nsave = staging_blocks if save_blocks is None else save_blocks
         self._save_buf = np.ones((nsave, self.format.value_bytes), dtype=np.uint8)

@@ -12,7 +12,7 @@ from kvport.tiers.base import BlockMeta
 from kvport.tiers.disk import DiskTier
 from kvport.tiers.host import HostTier
 from kvport.tiers.journal import JOURNAL_FILE, Journal, encode_add, encode_del, replay
-from kvport.tiers.paged import PagedTier, page_keys
+from kvport.tiers.paged_tier import PagedTier, page_keys
 
 P = 64
 

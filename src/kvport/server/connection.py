@@ -34,17 +34,16 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from kvport.errors import AuthError, ChecksumError, IllegalMoveError, KVPortError, PeerError, ProtocolError
 from kvport.ledger import Owner
 from kvport.protocol.aio import AsyncFrames, AsyncStream
 from kvport.protocol.frame import FrameHeader, MsgType
 from kvport.protocol.handshake import HANDSHAKE_LIMITS, server_handshake_async
+from kvport.server.state import ServerState
 from kvport.server.tenants import Tenant
-
-if TYPE_CHECKING:
-    from kvport.server.handlers import Handlers
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +64,18 @@ _MOVES: dict[ConnState, frozenset[ConnState]] = {
     ConnState.CLOSED: frozenset(),
 }
 
+Dispatch = Callable[["Connection", FrameHeader, dict[str, Any]], Awaitable[None]]
+
 
 class Connection:
-    def __init__(self, conn_id: int, stream: AsyncStream, handlers: Handlers) -> None:
+    """One connection to ``server`` (the state it reads and reports to); ``dispatch(conn, hdr, meta)``
+    answers one request (:meth:`kvport.server.handlers.Handlers.dispatch`)."""
+
+    def __init__(self, conn_id: int, stream: AsyncStream, server: ServerState, dispatch: Dispatch) -> None:
         self.id = conn_id
         self.stream = stream
-        self.h = handlers
+        self.server = server
+        self._dispatch = dispatch
         self.frames = AsyncFrames(stream, HANDSHAKE_LIMITS)
         self.state = ConnState.HANDSHAKE
         self.tenant: Tenant | None = None
@@ -85,37 +90,37 @@ class Connection:
     # ------------------------------------------------------------ lifecycle
     async def run(self) -> None:
         try:
-            async with asyncio.timeout(self.h.limits.handshake_timeout_s):
+            async with asyncio.timeout(self.server.limits.handshake_timeout_s):
                 await self.stream.start()  # the TLS handshake, if any: part of the login's deadline
                 await self._handshake()
-            self.frames.limits = self.h.wire_limits
-            while not self.h.draining:
+            self.frames.limits = self.server.wire_limits
+            while not self.server.draining:
                 try:
-                    async with asyncio.timeout(self.h.limits.idle_timeout_s):
+                    async with asyncio.timeout(self.server.limits.idle_timeout_s):
                         await self.frames.wait_frame()
                 except TimeoutError:
-                    self.h.metrics.timeouts.labels("idle").inc()
+                    self.server.metrics.timeouts.labels("idle").inc()
                     break
                 self.move(ConnState.BUSY)
                 try:
-                    async with asyncio.timeout(self.h.limits.frame_timeout_s):
+                    async with asyncio.timeout(self.server.limits.frame_timeout_s):
                         await self._one_request()
                 except TimeoutError:
-                    self.h.metrics.timeouts.labels("frame").inc()
+                    self.server.metrics.timeouts.labels("frame").inc()
                     break
                 self.move(ConnState.READY)
                 await asyncio.sleep(0)  # turn by turn: see the module docstring
         except TimeoutError:
-            self.h.metrics.timeouts.labels("handshake").inc()
+            self.server.metrics.timeouts.labels("handshake").inc()
         except AuthError as exc:
-            self.h.metrics.auth_failures.inc()
+            self.server.metrics.auth_failures.inc()
             log.info("closing %s: %s", self.stream.peer, exc)
         except (ProtocolError, ChecksumError) as exc:
             log.info("closing %s: %s", self.stream.peer, exc)
             await self._try_error(MsgType.ERROR, exc, 0)
         except PeerError as exc:
             if self.stream.stalled:
-                self.h.metrics.timeouts.labels("write").inc()
+                self.server.metrics.timeouts.labels("write").inc()
             log.debug("peer %s gone: %s", self.stream.peer, exc)
         except KVPortError as exc:  # a server-side failure outside a request: log it, close the connection
             log.warning("closing %s after %s: %s", self.stream.peer, type(exc).__name__, exc)
@@ -127,7 +132,7 @@ class Connection:
             return
         if self.state is not ConnState.CLOSING:
             self.move(ConnState.CLOSING)
-        self.h.connection_closed(self)
+        self.server.connection_closed(self.id)
         self.stream.close()
         self.move(ConnState.CLOSED)
 
@@ -140,16 +145,16 @@ class Connection:
 
     # ------------------------------------------------------------ handshake
     async def _handshake(self) -> None:
-        h = self.h
-        peer = await server_handshake_async(self.frames, h.server_name, h.tenants.key_lookup, {
-            "page_bytes": h.page_bytes, "max_value_bytes": h.limits.max_value_bytes})
-        tenant = h.tenants.get(peer.who)
+        srv = self.server
+        peer = await server_handshake_async(self.frames, srv.server_name, srv.tenants.key_lookup, {
+            "page_bytes": srv.page_bytes, "max_value_bytes": srv.limits.max_value_bytes})
+        tenant = srv.tenants.get(peer.who)
         if tenant is None:  # pragma: no cover - the handshake already refused unknown tenants
             raise AuthError("authentication failed")
         self.tenant = tenant
         self.holder = Owner.client(f"{tenant.name}/{peer.client}")
         self.move(ConnState.READY)
-        h.connection_ready(self)
+        srv.connection_ready(self.id, tenant)
 
     # ------------------------------------------------------------ requests
     async def _one_request(self) -> None:
@@ -157,19 +162,19 @@ class Connection:
         self.pending = hdr if hdr.payload_len else None
         meta = await self.frames.read_meta(hdr)
         try:
-            await self.h.dispatch(self, hdr, meta)
+            await self._dispatch(self, hdr, meta)
         except (PeerError, TimeoutError):
             raise
         except KVPortError as exc:
             if self.pending is not None:
                 await self.skip_payload()
             await self.frames.send_error(hdr.msg_type, exc, hdr.corr_id)
-            self.h.metrics.requests.labels(hdr.msg_type.name.lower(), "error").inc()
+            self.server.metrics.requests.labels(hdr.msg_type.name.lower(), "error").inc()
 
     async def skip_payload(self) -> None:
         hdr, self.pending = self.pending, None
         if hdr is not None:
-            await self.frames.skip_payload(hdr, self.h.scratch)
+            await self.frames.skip_payload(hdr, self.server.scratch)
 
     def payload_taken(self) -> None:
         self.pending = None

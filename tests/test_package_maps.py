@@ -11,9 +11,9 @@ nothing: the next, deeper indented line says it)::
 
 Each package must name, on its map lines, every module it holds (``x.py``, or a compiled ``x``
 beside its ``x.pyi`` stub) and every subpackage, each once, and nothing else. Private modules
-(``_x``) and ``__main__`` are named too (a subpackage may be written ``name/``): a newcomer opens them as files like any other, and
+(``_x``) and ``__main__`` are named too: a newcomer opens them as files like any other, and
 "private" says who may import a module, not whether it needs a line. Only ``__init__`` itself is
-exempt (it is the map). A dotted ``kvport.a.b`` in a package docstring
+exempt (it is the map). A subpackage may be written ``name/``. A dotted ``kvport.a.b`` in a package docstring
 must name a module, or an attribute of one, that exists.
 
 The walk reads files only: nothing is imported, so packages whose extras are missing are checked

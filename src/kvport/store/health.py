@@ -34,9 +34,6 @@ class TierHealth:
         self._retry_at[tier.name] = self._clock() + self._retry_s
         _BROKEN.labels(tier.name).set(1)
 
-    def is_broken(self, name: str) -> bool:
-        return name in self._retry_at
-
     def healthy(self, tier: Tier) -> bool:
         at = self._retry_at.get(tier.name)
         if at is None:

@@ -162,6 +162,3 @@ class TierIndex:
                 skipped.append(current)
             for item in skipped:
                 heapq.heappush(self._heap, item)
-
-    def over(self, limit: int) -> bool:
-        return self.used > limit

@@ -55,6 +55,12 @@ class LifetimePolicy:
     def rule(self, lifetime: Lifetime) -> LifetimeRule:
         return self.rules[lifetime]
 
+    def idle_ttl(self, lifetime: Lifetime, own_ttl_s: float | None = None) -> float | None:
+        """A block's idle TTL: its own (``own_ttl_s``, any class), else its class's (SESSION only)."""
+        if own_ttl_s is not None:
+            return own_ttl_s
+        return self.rules[lifetime].ttl_s if lifetime is Lifetime.SESSION else None
+
     def tiers_for(self, lifetime: Lifetime, all_tiers: tuple[str, ...]) -> tuple[str, ...]:
         names = self.rules[lifetime].tiers
         if names is None:

@@ -64,7 +64,7 @@ from kvport.store.eviction import DEFAULT_POLICY, make_policy
 from kvport.store.health import TierHealth
 from kvport.store.index import TierIndex
 from kvport.store.lifetime import LifetimePolicy
-from kvport.store.types import LookupResult, StoreStats, TierPolicy, WriteMode
+from kvport.store.types import LookupResult, ReadViews, Reserved, StoreStats, TierPolicy, WriteMode
 from kvport.tiers.base import BlockMeta, Buffer, Tier, byte_view
 
 log = logging.getLogger(__name__)
@@ -95,31 +95,7 @@ class _Meta:
         return BlockMeta(self.parent, self.lifetime, self.ttl_s, self.account, self.attrs)
 
 
-@dataclass(frozen=True, slots=True)
-class Reserved:
-    """Room for one block in flight: receive its bytes into ``views`` (in order), then ``commit``."""
-
-    key: bytes
-    tier: str
-    nbytes: int
-    views: tuple[memoryview, ...]
-    charge: int
-    lifetime: Lifetime
-    parent: bytes | None
-    account: str | None
-    ttl_s: float | None
-    owner: Owner | None
-    origin: Owner | None
-    request_id: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class ReadViews:
-    """The block's bytes in the memory of tier ``tier`` (valid while the caller's lease or pin holds)."""
-
-    tier: str
-    length: int
-    views: tuple[memoryview, ...]
+__all__ = ["ReadViews", "Reserved", "TieredStore"]
 
 
 class TieredStore:
@@ -543,10 +519,7 @@ class TieredStore:
         return sum(ix.size_of(k) or 0 for k in gone), len(gone)
 
     def _native_ttl(self, t: Tier, m: _Meta) -> float | None:
-        if not t.caps.native_ttl:
-            return None
-        return m.ttl_s if m.ttl_s is not None else (
-            self.policy.rule(m.lifetime).ttl_s if m.lifetime is Lifetime.SESSION else None)
+        return self.policy.idle_ttl(m.lifetime, m.ttl_s) if t.caps.native_ttl else None
 
     def _charge_for(self, allowed: Sequence[str], nbytes: int) -> int:
         """What a block counts against its account: its charge in the first tier it may occupy."""
@@ -1020,8 +993,7 @@ class TieredStore:
         return dropped
 
     def _refresh_expiry(self, key: bytes, m: _Meta) -> None:
-        ttl = m.ttl_s if m.ttl_s is not None else (
-            self.policy.rule(m.lifetime).ttl_s if m.lifetime is Lifetime.SESSION else None)
+        ttl = self.policy.idle_ttl(m.lifetime, m.ttl_s)
         m.expires_at = None if ttl is None else self.clock() + ttl
         if m.expires_at is not None:
             heapq.heappush(self._expiry, (m.expires_at, key))

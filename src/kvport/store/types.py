@@ -1,4 +1,4 @@
-"""Values that cross the store's boundary: per-tier policy, lookup results, stats."""
+"""Values that cross the store's boundary: per-tier policy, lookup results, reservations, stats."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvport.errors import ConfigError
+from kvport.ledger import Owner
+from kvport.lifetime import Lifetime
 
 
 class WriteMode(enum.Enum):
@@ -65,6 +67,33 @@ class LookupResult:
 
     def in_tier(self, name: str) -> tuple[bytes, ...]:
         return tuple(k for k, t in zip(self.hit_keys, self.tiers, strict=True) if t == name)
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """Room for one block in flight: receive its bytes into ``views`` (in order), then ``commit``."""
+
+    key: bytes
+    tier: str
+    nbytes: int
+    views: tuple[memoryview, ...]
+    charge: int
+    lifetime: Lifetime
+    parent: bytes | None
+    account: str | None
+    ttl_s: float | None
+    owner: Owner | None
+    origin: Owner | None
+    request_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ReadViews:
+    """The block's bytes in the memory of tier ``tier`` (valid while the caller's lease or pin holds)."""
+
+    tier: str
+    length: int
+    views: tuple[memoryview, ...]
 
 
 @dataclass(frozen=True, slots=True)

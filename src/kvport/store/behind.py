@@ -18,11 +18,17 @@ fills in behind.
   everything queued before it has been written (a lease on the tier below, taken when the blocks are
   there).
 * :meth:`flush` waits until the queue is empty; :meth:`close` flushes (with a timeout), then stops.
+
+:class:`StoreCopy` is the store's side, the copy function the queue's thread runs: each block still
+held is read from a tier above under the store's lock (a local read), written below outside it (a
+slow or hung tier below never stalls the store's other calls), and indexed there under the lock
+again, unless it left meanwhile (then the copy below is deleted too).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -30,6 +36,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvport import metrics
+from kvport.errors import KVPortError, TierUnavailableError
+from kvport.store.catalog import Catalog
+from kvport.store.guard import Busy, StoreLock
+from kvport.store.mover import Mover
 
 log = logging.getLogger(__name__)
 
@@ -183,5 +193,62 @@ class WriteBehind:
             log.warning("kvport: write-behind callback failed (%s: %s)", type(exc).__name__, exc)
 
 
-def count_dropped(tier: str, n: int = 1) -> None:
-    _DROPPED.labels(tier).inc(n)
+class StoreCopy:
+    """``copy(tier, keys)`` for a store's :class:`WriteBehind` (see the module docstring)."""
+
+    def __init__(self, lock: StoreLock, catalog: Catalog, mover: Mover, busy: Busy) -> None:
+        self._lock = lock
+        self._cat = catalog
+        self._mover = mover
+        self._busy = busy
+        self._scratch = bytearray(0)  # the thread's read buffer, grown to the largest block
+
+    def __call__(self, tier: str, keys: Sequence[bytes]) -> None:
+        cat = self._cat
+        dropped = 0
+        t = cat.tiers[tier]
+        for key in keys:
+            with self._lock:
+                m = cat.records.get(key)
+                if m is None or key in cat.idx[tier]:
+                    dropped += m is None
+                    continue
+                src = next((n for n in cat.names if n != tier and key in cat.idx[n]), None)
+                if src is None or not cat.health.healthy(t):
+                    dropped += 1
+                    continue
+                if len(self._scratch) < m.size:
+                    self._scratch = bytearray(m.size)
+                view = memoryview(self._scratch)[: m.size]
+                try:
+                    n = cat.tiers[src].get_into(key, view)
+                    charge = t.charge(n)
+                    with self._busy({key}):
+                        self._mover.make_room(tier, charge)
+                except KVPortError as exc:
+                    log.debug("kvport: write-behind of %s to %s dropped (%s)", key.hex(), tier, exc)
+                    dropped += 1
+                    continue
+                meta, ttl = m.block_meta(), self._mover.native_ttl(t, m)
+            try:  # outside the lock
+                if t.caps.block_meta:
+                    t.put_block(key, (view[:n],), meta, ttl_s=ttl)
+                else:
+                    t.put(key, view[:n], ttl_s=ttl)
+            except TierUnavailableError as exc:
+                cat.health.mark_broken(t, exc)
+                log.debug("kvport: write-behind of %s to %s dropped (%s)", key.hex(), tier, exc)
+                dropped += 1
+                continue
+            except KVPortError as exc:  # full, a value it refuses: this copy is not made
+                log.debug("kvport: write-behind of %s to %s dropped (%s)", key.hex(), tier, exc)
+                dropped += 1
+                continue
+            with self._lock:
+                if key in cat.records and key not in cat.idx[tier]:
+                    cat.written(tier, key, n, charge)
+                elif key not in cat.records:  # deleted while it was being written: not kept below either
+                    with contextlib.suppress(KVPortError):
+                        t.delete(key)
+        if dropped:
+            _DROPPED.labels(tier).inc(dropped)

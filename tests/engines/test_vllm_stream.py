@@ -18,8 +18,9 @@ from kvport.client.port import StoreConfig, open_store
 from kvport.codec.envelope import block_format, stored_bytes
 from kvport.deadline import Deadline
 from kvport.engines.vllm.paged import PagedKV
+from kvport.engines.vllm.params import new_stream_id, parse_dest
 from kvport.engines.vllm.plan import BlockCopy, ScheduledRequest, StepPlanner, StreamCopy
-from kvport.engines.vllm.stream import Inbox, InboxServer, StreamOut, new_stream_id, parse_dest
+from kvport.engines.vllm.stream import Inbox, InboxServer, StreamOut
 from kvport.engines.vllm.worker import AsyncLoads, BlockMover
 from kvport.keys import KeyContext, chain_keys
 from kvport.spec import DType, KVSpec, Layout

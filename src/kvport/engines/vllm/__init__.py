@@ -11,7 +11,7 @@ Modules, bottom up (only ``spin``, ``connector`` and ``runner`` import vLLM, and
     plan         StepPlanner: scheduler-side lookups, pending loads, per-step saves and streams (pure)
     gate         the cost planner's say over a lookup: load the external hit, or decline it and recompute
     paged        PagedKV / StagingSlots: vLLM's CPU paged layout and the copies to and from stored blocks
-    stream_addr  inbox addresses (HOST:PORT, shm:NAME), checked without importing the stream
+    params       HandoffAsk / HandoffAnswer: the hand-off's kv_transfer_params, typed, one parser each
     stream       the hand-off streamed layer by layer over kvport's transfer: StreamOut (producer),
                  Inbox / InboxServer (decode engine: Receivers landing blocks in preallocated slots)
     worker       BlockMover: tier <-> staging <-> paged KV, load errors, saves; AsyncLoads: hand-offs

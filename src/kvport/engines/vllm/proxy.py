@@ -57,7 +57,7 @@ from kvport.errors import ConfigError
 from kvport.extras import require
 from kvport.protocol.net import is_loopback
 
-from .stream_addr import DEST_KEY, parse_dest
+from .params import HandoffAsk, parse_dest
 
 try:
     import aiohttp
@@ -133,10 +133,7 @@ def prefill_body(body: dict[str, Any], inbox: str | None) -> dict[str, Any]:
     """The prefill engine's request for a client's ``body``: its prompt and sampling, one token,
     one sequence, not streamed, asking for a hand-off (streamed to ``inbox`` when given)."""
     pre = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
-    ask: dict[str, Any] = {"do_remote_decode": True}
-    if inbox is not None:
-        ask[DEST_KEY] = inbox
-    pre.update(max_tokens=1, n=1, stream=False, kv_transfer_params=ask)
+    pre.update(max_tokens=1, n=1, stream=False, kv_transfer_params=HandoffAsk(inbox).to_params())
     if "max_completion_tokens" in pre:
         pre["max_completion_tokens"] = 1
     return pre

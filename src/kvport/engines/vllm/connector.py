@@ -91,8 +91,7 @@ except ImportError:
 
 from kvport import metrics
 from kvport.client.conn import ClientConfig
-from kvport.client.port import StoreConfig, open_store
-from kvport.client.remote import RemoteTier
+from kvport.client.port import OpenedStore, StoreConfig, open_port
 from kvport.codec.envelope import stored_bytes
 from kvport.config import Settings
 from kvport.engines.vllm.gate import gate
@@ -101,7 +100,7 @@ from kvport.keys import KeyContext
 from kvport.ledger import Ledger
 from kvport.planner import Planner, Profile
 from kvport.spec import KVSpec
-from kvport.store import TieredStore
+from kvport.store import WriteMode
 from kvport.transfer.handoff import engine_owner
 
 from .config import ConnectorConfig
@@ -139,25 +138,24 @@ _HANDOFFS = metrics.counter("vllm_pd_handoffs", "prefill-side hand-offs committe
                             "tier, then the request's blocks freed), by outcome", ["outcome"])
 
 
-def open_connector_store(cfg: ConnectorConfig, spec: KVSpec) -> TieredStore:
+def open_connector_store(cfg: ConnectorConfig, spec: KVSpec) -> OpenedStore:
     """The connector's store: host RAM, the shared disk folder and the kvport server, whichever are
     configured, top-down; every save is copied to the server (the tier other engines see): by the
     store's write-behind thread after the save returned (``kvport_server_write``: "behind"), or
-    before it returns ("through")."""
+    before it returns ("through"). With it, the server's tier (None without a server)."""
     server = None
     if cfg.server is not None:
         server = ClientConfig(host=cfg.server[0], port=cfg.server[1], tenant=cfg.server_tenant,
                               token=Settings.from_env().auth_token, timeout_s=10.0)
     lower = cfg.host_capacity_bytes > 0 or cfg.disk_dir is not None
-    below = ("shared",) if server is not None and lower else ()
-    return open_store(StoreConfig(
+    write = WriteMode.BEHIND if cfg.server_write_behind else WriteMode.THROUGH
+    return open_port(StoreConfig(
         block_bytes=stored_bytes(spec), host_bytes=cfg.host_capacity_bytes, disk_dir=cfg.disk_dir,
         disk_bytes=cfg.disk_capacity_bytes if cfg.disk_dir is not None else 0, disk_shared=True, server=server,
         # a decode engine looks for a hand-off milliseconds after the prefill engine wrote it: every miss
         # may rescan (one stat of the folder when nothing changed)
         disk_refresh_s=0.0,
-        write_through=() if cfg.server_write_behind else below,
-        write_behind=below if cfg.server_write_behind else ()))
+        server_write=write if server is not None and lower else None))
 
 
 def _remote_params(request: Any) -> dict[str, Any]:
@@ -212,7 +210,9 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning("kvport: kv_load_failure_policy=%r fails requests on a bad block; use 'recompute'",
                         self._kv_transfer_config.kv_load_failure_policy)
-        self.store = open_connector_store(self.cfg, self.spec)
+        opened = open_connector_store(self.cfg, self.spec)
+        self.store = opened.store
+        self.shared = opened.server  # the kvport server's tier: hand-offs are leased there
         self.key_context = KeyContext(block_size=self.spec.block_size, spec_fingerprint=self.spec.fingerprint,
                                       tenant_salt=self.cfg.tenant_salt)
         self.planner = StepPlanner(self.key_context, self.store.contains,
@@ -375,7 +375,7 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # streamed: the decode engine's inbox committed the blocks in the steps that computed them (the
             # ownership hand-off; the decode engine keeps them in the store); a failed stream was saved here
             stream = self.planner.streamed(rid)
-            shared = stream is None and isinstance(self.store.tiers.get("shared"), RemoteTier)
+            shared = stream is None and self.shared is not None
             keys = self.planner.hand_off(rid, self.cfg.pd_lease_s) if shared else self.planner.prompt_keys(rid)
             answer = HandoffAnswer(tokens=len(keys) * self.spec.block_size,
                                    last_key=keys[-1].hex() if keys else None, spec=self.spec,
@@ -444,9 +444,8 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         lease that failed costs the decode engine a recompute, never the producer its blocks)."""
         outcome = "leased"
         try:
-            shared = self.store.tiers.get("shared")
-            if h.keys and isinstance(shared, RemoteTier):
-                _, leased = shared.lease(list(h.keys), h.lease_s)
+            if h.keys and self.shared is not None:
+                _, leased = self.shared.lease(list(h.keys), h.lease_s)
                 if leased < len(h.keys):
                     outcome = "partial"
                     log.warning("kvport: request %s: %d of %d handed-off blocks leased (the rest evicted or "

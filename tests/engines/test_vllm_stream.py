@@ -235,8 +235,8 @@ def test_parse_dest() -> None:
 
 def test_stream_config_keys_and_the_proxy_s_inboxes() -> None:
     from kvport.engines.vllm.config import ConnectorConfig
-    from kvport.engines.vllm.proxy import ProxyConfig
     from kvport.errors import ConfigError
+    from kvport.proxy.service import ProxyConfig
 
     cfg = ConnectorConfig.from_extra_config({"kvport_server": "h:1", "kvport_pd_inbox": "127.0.0.1:9200",
                                              "kvport_pd_inbox_tokens": 4096})

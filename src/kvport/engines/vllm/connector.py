@@ -17,7 +17,7 @@ conversation: prompt blocks and, as they fill, the blocks of generated tokens, s
 prefill on any engine loads turn n's KV.
 
 Roles (``kv_role``), with the ``kv_transfer_params`` hand-shake of vLLM's disaggregated connectors,
-so vLLM's usual proxy pattern (``kvport.engines.vllm.proxy``) works::
+so vLLM's usual proxy pattern (``kvport.proxy.service``) works::
 
     proxy --> prefill engine (kv_producer)   {"do_remote_decode": true, "kvport_dest": the decode
               engine's inbox}, max_tokens 1: computes the prompt and streams each layer of its blocks to

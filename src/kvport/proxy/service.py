@@ -53,11 +53,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvport import metrics
 from kvport.config import MIN_TOKEN_CHARS
+from kvport.engines.vllm.params import HandoffAsk, parse_dest
 from kvport.errors import ConfigError
 from kvport.extras import require
 from kvport.protocol.net import is_loopback
-
-from .params import HandoffAsk, parse_dest
 
 try:
     import aiohttp

@@ -314,7 +314,10 @@ class PDProxy:
 
     async def _prefill_step(self, path: str, body: dict[str, Any], inbox: str | None) -> dict[str, Any] | None:
         """Step 1: the prompt computed on a prefill engine (streaming its KV to ``inbox`` when given);
-        its hand-off, or None when it failed."""
+        its hand-off, or None when it failed. The answer's ``kv_transfer_params`` go to the decode
+        engine as sent: it is the one that reads them (:meth:`~kvport.engines.vllm.params.HandoffAnswer.parse`),
+        counts what is wrong with them and recomputes, and a proxy older or newer than the engines
+        passes on fields it does not know."""
         pre = prefill_body(body, inbox)
         url = next(self._prefill) + path
         try:

@@ -8,7 +8,10 @@ contract in pyproject.toml; names joined by ``|`` share a layer and do not impor
     bench                       benchmark suites (`kvport bench SUITE`), each measuring its physical limit
     eval | workers              quality harness for KV codecs on the reference model; the transformers
                                 prefill/decode worker processes (the demo runs them, the fault bench drives them)
-    engines | server            transformers / vLLM adapters; the shared-tier server (`kvport serve`)
+    deploy | proxy              what runs around engines (`vllm serve` processes, the PD recipe, TTFT
+                                measured in fresh engines); the prefill/decode proxy (`kvport proxy`)
+    engines | server            transformers / vLLM adapters (engines/vllm: only what vLLM loads); the
+                                shared-tier server (`kvport serve`)
     planner                     transfer vs recompute vs compress: cost model + calibration
     evidence                    physical limits measured in the same run (memcpy, raw socket, disk, redis),
                                 timing, page-cache dropping: what every benchmark compares against

@@ -34,6 +34,10 @@ so callers catch kvport types only. Backpressure is *not* an error: admission re
     │       └── LeaseExpiredError      the lease lapsed at its TTL (releasing it changes nothing)
     ├── TransferError                  the caller should fall back to recompute
     │   ├── ProtocolError              bad magic, unknown version, truncated or oversized frame
+    │   │   └── HandoffParamsError     a hand-off's kv_transfer_params kvport cannot use (engines/vllm/params)
+    │   │       ├── HandoffNotSentError     no hand-off asked, or none in the params (never sent)
+    │   │       ├── HandoffVersionError     a hand-off of another version
+    │   │       └── HandoffUnreadableError  a field missing, of the wrong type or past its cap
     │   ├── IncompatibleSpecError      receiver refused the sender's spec (names the field)
     │   ├── ChecksumError              payload chunk failed its checksum
     │   ├── PeerError                  connection reset, peer died, peer stopped reading
@@ -176,6 +180,22 @@ class TransferError(KVPortError):
 
 
 class ProtocolError(TransferError):
+    pass
+
+
+class HandoffParamsError(ProtocolError):
+    pass
+
+
+class HandoffNotSentError(HandoffParamsError):
+    pass
+
+
+class HandoffVersionError(HandoffParamsError):
+    pass
+
+
+class HandoffUnreadableError(HandoffParamsError):
     pass
 
 

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from kvport.codec.envelope import BlockFormat, stored_bytes
-from kvport.engines.vllm.bench import engine_threads_env
+from kvport.deploy.vllm_bench import engine_threads_env
+from kvport.deploy.vllm_measure import max_logprob_diff, random_tokens, run_engine, summarize
+from kvport.deploy.vllm_runner import EngineJob
 from kvport.engines.vllm.identity import engine_spec
-from kvport.engines.vllm.measure import max_logprob_diff, random_tokens, run_engine, summarize
-from kvport.engines.vllm.runner import EngineJob
 from kvport.keys import KeyContext, chain_keys
 from kvport.tiers.disk import DiskTier
 

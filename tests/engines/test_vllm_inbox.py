@@ -16,8 +16,9 @@ from kvport.codec.envelope import block_format
 from kvport.deadline import Deadline
 from kvport.engines.vllm import stream as stream_mod
 from kvport.engines.vllm.paged import PagedKV
+from kvport.engines.vllm.params import new_stream_id
 from kvport.engines.vllm.plan import BlockCopy, StreamCopy
-from kvport.engines.vllm.stream import Inbox, InboxServer, StreamOut, new_stream_id
+from kvport.engines.vllm.stream import Inbox, InboxServer, StreamOut
 from kvport.errors import AuthError, ConfigError, KVPortError, PeerError, TierFullError, TransferError
 from kvport.keys import KeyContext, chain_keys
 from kvport.protocol.transfer import TransferMeta

@@ -15,8 +15,9 @@ from kvport.client.port import StoreConfig, open_store
 from kvport.codec.envelope import stored_bytes
 from kvport.deadline import Deadline
 from kvport.engines.vllm.paged import PagedKV
+from kvport.engines.vllm.params import new_stream_id
 from kvport.engines.vllm.plan import BlockCopy, StreamCopy
-from kvport.engines.vllm.stream import Inbox, InboxServer, StreamOut, new_stream_id
+from kvport.engines.vllm.stream import Inbox, InboxServer, StreamOut
 from kvport.engines.vllm.worker import AsyncLoads
 from kvport.keys import chain_keys
 from kvport.ledger import Ledger, Move, Owner

@@ -84,7 +84,7 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def pd(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    from kvport.engines.vllm.deploy import EngineServer, free_port, listen_port
+    from kvport.deploy.vllm_serve import EngineServer, free_port, listen_port
 
     root = tmp_path_factory.mktemp("pd")
     server = ServerProc(base_args("1GiB")).start()
@@ -246,7 +246,7 @@ def test_bad_hand_offs_are_recomputed_never_a_wrong_token_and_the_reason_is_logg
 
 def test_a_streamed_hand_off_lands_in_the_decode_engine_and_only_its_own_stream_is_linked(pd: Deployment,
                                                                                          model_dir: Path) -> None:
-    from kvport.engines.vllm.deploy import deployment_secret
+    from kvport.deploy.vllm_serve import deployment_secret
     from kvport.transfer.handoff import records
 
     body = {"max_tokens": 8, "temperature": 0.0, "logprobs": 1, "model": MODEL}
@@ -305,7 +305,7 @@ def test_a_streamed_hand_off_lands_in_the_decode_engine_and_only_its_own_stream_
     assert _metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="partial") == partial + 1
     assert "never reached this decode engine" in (pd.root / "decode.log").read_text(errors="replace")
     # an inbox nobody listens on: the producer saves to the store instead, and the decode engine loads from there
-    from kvport.engines.vllm.deploy import free_port
+    from kvport.deploy.vllm_serve import free_port
 
     r = _prompt(13)
     failed = _metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="failed")
@@ -353,7 +353,7 @@ def test_a_hand_off_lease_lapses_and_leaves_nothing_held(pd: Deployment) -> None
 
 
 def test_killed_engines_the_request_completes_by_recompute_or_fails_clearly(pd: Deployment) -> None:
-    from kvport.engines.vllm.deploy import ProxyServer, free_port
+    from kvport.deploy.vllm_serve import ProxyServer, free_port
 
     p = _prompt(7, 1800)
     body = {"model": MODEL, "prompt": p, "max_tokens": 8, "temperature": 0.0, "logprobs": 1}

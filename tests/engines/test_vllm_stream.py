@@ -18,8 +18,9 @@ from kvport.client.port import StoreConfig, open_store
 from kvport.codec.envelope import block_format, stored_bytes
 from kvport.deadline import Deadline
 from kvport.engines.vllm.paged import PagedKV
+from kvport.engines.vllm.params import new_stream_id, parse_dest
 from kvport.engines.vllm.plan import BlockCopy, ScheduledRequest, StepPlanner, StreamCopy
-from kvport.engines.vllm.stream import Inbox, InboxServer, StreamOut, new_stream_id, parse_dest
+from kvport.engines.vllm.stream import Inbox, InboxServer, StreamOut
 from kvport.engines.vllm.worker import AsyncLoads, BlockMover
 from kvport.keys import KeyContext, chain_keys
 from kvport.spec import DType, KVSpec, Layout
@@ -234,8 +235,8 @@ def test_parse_dest() -> None:
 
 def test_stream_config_keys_and_the_proxy_s_inboxes() -> None:
     from kvport.engines.vllm.config import ConnectorConfig
-    from kvport.engines.vllm.proxy import ProxyConfig
     from kvport.errors import ConfigError
+    from kvport.proxy.service import ProxyConfig
 
     cfg = ConnectorConfig.from_extra_config({"kvport_server": "h:1", "kvport_pd_inbox": "127.0.0.1:9200",
                                              "kvport_pd_inbox_tokens": 4096})

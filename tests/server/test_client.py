@@ -95,3 +95,28 @@ def test_get_into_reports_verified_ranges_in_order(shared_server) -> None:  # ty
     assert b"".join(seen) == value.tobytes()
     t.delete(key)
     t.close()
+
+
+def test_the_store_port_hands_out_the_servers_tier_typed(shared_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvport.client.conn import ClientConfig
+    from kvport.client.port import SERVER_TIER, StoreConfig, open_port
+    from kvport.client.remote import RemoteTier
+    from kvport.errors import ConfigError
+    from kvport.store import WriteMode
+
+    server = ClientConfig(port=shared_server.port)
+    opened = open_port(StoreConfig(block_bytes=MiB, host_bytes=4 * MiB, server=server, server_write=WriteMode.BEHIND))
+    try:
+        assert isinstance(opened.server, RemoteTier) and opened.server.name == SERVER_TIER
+        assert opened.store.tiers[SERVER_TIER] is opened.server
+    finally:
+        opened.store.close()
+        for tier in opened.store.tiers.values():
+            tier.close()
+    alone = open_port(StoreConfig(block_bytes=MiB, host_bytes=4 * MiB))
+    assert alone.server is None
+    alone.store.close()
+    with pytest.raises(ConfigError, match="server_write needs a server"):
+        StoreConfig(block_bytes=MiB, host_bytes=4 * MiB, server_write=WriteMode.THROUGH)
+    with pytest.raises(ConfigError, match="server_write"):
+        StoreConfig(block_bytes=MiB, server=server, server_write=WriteMode.THROUGH, write_through=(SERVER_TIER,))

@@ -79,7 +79,7 @@ import psutil
 
 from kvport.bench.harness import Report, SuiteOptions, conditions, finish
 from kvport.config import Settings
-from kvport.engines.vllm.deploy import (
+from kvport.deploy.vllm_serve import (
     EngineServer,
     KVPortServer,
     ProxyServer,

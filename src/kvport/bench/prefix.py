@@ -157,12 +157,12 @@ def _hf(tokens: int, cached: int, trials: int, prefetch: bool) -> tuple[dict[str
 
 
 def _vllm(opts: SuiteOptions, tokens: int, cached: int, threads: int) -> dict[str, Any]:
-    """The vLLM half from the connector's own harness (:func:`kvport.engines.vllm.bench.prefix_ttft`: each
+    """The vLLM half from the connector's own harness (:func:`kvport.deploy.vllm_bench.prefix_ttft`: each
     engine a fresh process, the same threads as the transformers half); None with the reason otherwise."""
     if str(opts.extra.get("vllm", "true")).lower() in {"false", "0", "no"}:
         return {"ttft_speedup": None, "reason": "skipped (--set vllm=false)"}
     try:
-        mod = importlib.import_module("kvport.engines.vllm.bench")
+        mod = importlib.import_module("kvport.deploy.vllm_bench")
         out: dict[str, Any] = dict(mod.prefix_ttft(tokens=tokens, cached=cached, quick=opts.quick, threads=threads))
     except ImportError as exc:
         return {"ttft_speedup": None, "reason": f"vLLM prefix harness unavailable: {exc}"}

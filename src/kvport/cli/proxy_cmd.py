@@ -51,7 +51,7 @@ def proxy_cmd(listen: str, prefill: tuple[str, ...], decode: tuple[str, ...], de
         raise UserInputError(f"--listen {listen}: KVPORT_AUTH_TOKEN is shorter than {MIN_TOKEN_CHARS} characters; "
                              f"beyond this machine the proxy needs a token of at least {MIN_TOKEN_CHARS}, "
                              "as kvport serve does")
-    from kvport.engines.vllm.proxy import ProxyConfig, serve_proxy
+    from kvport.proxy.service import ProxyConfig, serve_proxy
 
     try:
         cfg = ProxyConfig(prefill=prefill, decode=decode, host=host, port=port, auth_token=token,

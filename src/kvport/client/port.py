@@ -9,12 +9,15 @@
                                                                             the others' saves)
               + redis_url                          --> RedisTier           (a shared tier beyond one machine)
               + server=ClientConfig(...)           --> RemoteTier          (the kvport server: the pool)
+                + server_write=THROUGH | BEHIND                            (every put copied to it)
     open_store(cfg, ledger) -> TieredStore(tiers top-down, ledger, eviction policy)
+    open_port(cfg, ledger)  -> OpenedStore(store, server: the RemoteTier or None)
 
 The store decides placement, eviction (prefix-aware), promotion and lifetimes; its ledger records
 what the pool owns. What an engine needs from it: ``lookup`` (longest cached prefix),
 ``get_many_into`` / ``consume`` (loads), ``put_many`` (a chain of blocks under its parent), and
-:meth:`~kvport.store.TieredStore.contains`.
+:meth:`~kvport.store.TieredStore.contains`; and, through :func:`open_port`, the server's tier itself
+(leases and pins are the pool's, not the store's), typed, never looked up by its name.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from kvport.errors import ConfigError
 from kvport.ledger import Ledger
 from kvport.store import TieredStore, TierPolicy, WriteMode
 from kvport.tiers.base import Tier
+
+SERVER_TIER = "shared"  # the kvport server's tier, in the store's names (tier labels of its metrics)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +48,7 @@ class StoreConfig:
     eviction: str = "slru"
     write_through: tuple[str, ...] = ()  # tiers written on every put (e.g. "shared"); others get demotions
     write_behind: tuple[str, ...] = ()  # tiers written after every put, by the store's writer thread
+    server_write: WriteMode | None = None  # how the server's tier gets every put (None: demotions only)
 
     def __post_init__(self) -> None:
         if self.block_bytes <= 0:
@@ -54,11 +60,30 @@ class StoreConfig:
         both = set(self.write_through) & set(self.write_behind)
         if both:
             raise ConfigError(f"tiers {sorted(both)} are both write_through and write_behind")
+        if self.server_write is not None and self.server is None:
+            raise ConfigError("server_write needs a server")
+        if self.server_write is not None and SERVER_TIER in {*self.write_through, *self.write_behind}:
+            raise ConfigError("the server's tier is given server_write and in write_through / write_behind")
+
+
+@dataclass(frozen=True, slots=True)
+class OpenedStore:
+    """A store opened by the port, with the tier an engine talks to beside the store: the kvport
+    server's (``lease``/``pin`` of handed-off blocks), None when the store has no server."""
+
+    store: TieredStore
+    server: RemoteTier | None
 
 
 def open_store(cfg: StoreConfig, ledger: Ledger | None = None) -> TieredStore:
     """The store an engine uses; tiers top-down: host, disk, redis, server (whichever are configured)."""
+    return open_port(cfg, ledger).store
+
+
+def open_port(cfg: StoreConfig, ledger: Ledger | None = None) -> OpenedStore:
+    """:func:`open_store`, and the server's tier it holds (None without ``cfg.server``)."""
     tiers: list[Tier] = []
+    server: RemoteTier | None = None
     try:
         if cfg.host_bytes:
             from kvport.tiers.host import HostTier
@@ -74,15 +99,18 @@ def open_store(cfg: StoreConfig, ledger: Ledger | None = None) -> TieredStore:
 
             tiers.append(RedisTier(cfg.redis_url, name="redis"))
         if cfg.server is not None:
-            tiers.append(RemoteTier(cfg.server, name="shared"))
+            server = RemoteTier(cfg.server, name=SERVER_TIER)
+            tiers.append(server)
         if not tiers:
             raise ConfigError("a store needs at least one tier (host, disk, redis or server)")
         policies = {n: TierPolicy(write=WriteMode.THROUGH) for n in cfg.write_through}
         policies.update({n: TierPolicy(write=WriteMode.BEHIND) for n in cfg.write_behind})
+        if cfg.server_write is not None:
+            policies[SERVER_TIER] = TierPolicy(write=cfg.server_write)
         unknown = set(policies) - {t.name for t in tiers}
         if unknown:
             raise ConfigError(f"write_through / write_behind name tiers this store does not have: {sorted(unknown)}")
-        return TieredStore(tiers, ledger, eviction=cfg.eviction, tier_policies=policies)
+        return OpenedStore(TieredStore(tiers, ledger, eviction=cfg.eviction, tier_policies=policies), server)
     except BaseException:
         for t in tiers:
             t.close()

@@ -34,7 +34,7 @@ from rich.table import Table
 from kvport.bench.harness import conditions
 from kvport.bench.pd import chat_body, prompt_tokens, request, same_answer
 from kvport.config import Settings
-from kvport.engines.vllm.deploy import (
+from kvport.deploy.vllm_serve import (
     EngineServer,
     KVPortServer,
     ProxyServer,

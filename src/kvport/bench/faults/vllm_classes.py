@@ -124,7 +124,7 @@ class InboxFull(VClass):
     promise = "a full inbox refuses the stream at TRANSFER_BEGIN: the producer saves, the decode engine loads"
 
     def inject(self, prompt: list[int]) -> Outcome:
-        from kvport.engines.vllm.stream import new_stream_id
+        from kvport.engines.vllm.params import new_stream_id
         from kvport.protocol.transfer import TransferMeta
         from kvport.transfer import links
         from kvport.transfer.sender import Sender

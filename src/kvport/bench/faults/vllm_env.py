@@ -45,7 +45,7 @@ class VllmEnv:
     """The deployment under test; engines restart when a class killed one."""
 
     def __init__(self, stack: contextlib.ExitStack, model: Path, hang_s: float, max_tokens: int) -> None:
-        from kvport.engines.vllm.deploy import EngineServer, ProxyServer, deployment_secret, listen_port
+        from kvport.deploy.vllm_serve import EngineServer, ProxyServer, deployment_secret, listen_port
 
         self.model, self.hang_s, self.max_tokens = model, hang_s, max_tokens
         self.root = Path(stack.enter_context(TemporaryDirectory(prefix="kvport-faults-vllm-")))

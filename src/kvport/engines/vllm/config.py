@@ -70,7 +70,7 @@ from kvport.errors import ConfigError, UnitError
 from kvport.spec import KVSpec
 from kvport.units import parse_size
 
-from .stream_addr import parse_dest
+from .params import parse_dest
 
 _PREFIX = "kvport_"
 _KNOWN = frozenset({

@@ -17,7 +17,7 @@ conversation: prompt blocks and, as they fill, the blocks of generated tokens, s
 prefill on any engine loads turn n's KV.
 
 Roles (``kv_role``), with the ``kv_transfer_params`` hand-shake of vLLM's disaggregated connectors,
-so vLLM's usual proxy pattern (``kvport.engines.vllm.proxy``) works::
+so vLLM's usual proxy pattern (``kvport.proxy.service``) works::
 
     proxy --> prefill engine (kv_producer)   {"do_remote_decode": true, "kvport_dest": the decode
               engine's inbox}, max_tokens 1: computes the prompt and streams each layer of its blocks to
@@ -91,25 +91,25 @@ except ImportError:
 
 from kvport import metrics
 from kvport.client.conn import ClientConfig
-from kvport.client.port import StoreConfig, open_store
-from kvport.client.remote import RemoteTier
+from kvport.client.port import OpenedStore, StoreConfig, open_port
 from kvport.codec.envelope import stored_bytes
 from kvport.config import Settings
 from kvport.engines.vllm.gate import gate
-from kvport.errors import EngineError, KVPortError
+from kvport.errors import EngineError, HandoffNotSentError, HandoffParamsError, HandoffVersionError, KVPortError
 from kvport.keys import KeyContext
 from kvport.ledger import Ledger
 from kvport.planner import Planner, Profile
 from kvport.spec import KVSpec
-from kvport.store import TieredStore
+from kvport.store import WriteMode
 from kvport.transfer.handoff import engine_owner
 
 from .config import ConnectorConfig
 from .identity import check_expected, engine_spec
 from .paged import PagedKV
+from .params import HandoffAnswer, HandoffAsk, new_stream_id
 from .plan import BlockCopy, HandOff, ScheduledRequest, StepPlan, StepPlanner
 from .spin import limit_idle_spin
-from .stream import DEST_KEY, STREAM_OUTCOMES, Inbox, InboxServer, StreamOut, is_stream_id, new_stream_id, parse_dest
+from .stream import STREAM_OUTCOMES, Inbox, InboxServer, StreamOut
 from .worker import SECONDS, AsyncLoads, BlockMover, WorkerStats
 
 require("vllm", __name__)  # another release that imports is refused too: hooks and layouts change between them
@@ -136,34 +136,50 @@ _PD = metrics.counter("vllm_pd_loads", "decode-side loads of KV a prefill engine
                       ["outcome"])
 _HANDOFFS = metrics.counter("vllm_pd_handoffs", "prefill-side hand-offs committed (blocks leased in the shared "
                             "tier, then the request's blocks freed), by outcome", ["outcome"])
-PD_KEY = "kvport"  # our field in kv_transfer_params
-PD_VERSION = 1
 
 
-def open_connector_store(cfg: ConnectorConfig, spec: KVSpec) -> TieredStore:
+def open_connector_store(cfg: ConnectorConfig, spec: KVSpec) -> OpenedStore:
     """The connector's store: host RAM, the shared disk folder and the kvport server, whichever are
     configured, top-down; every save is copied to the server (the tier other engines see): by the
     store's write-behind thread after the save returned (``kvport_server_write``: "behind"), or
-    before it returns ("through")."""
+    before it returns ("through"). With it, the server's tier (None without a server)."""
     server = None
     if cfg.server is not None:
         server = ClientConfig(host=cfg.server[0], port=cfg.server[1], tenant=cfg.server_tenant,
                               token=Settings.from_env().auth_token, timeout_s=10.0)
     lower = cfg.host_capacity_bytes > 0 or cfg.disk_dir is not None
-    below = ("shared",) if server is not None and lower else ()
-    return open_store(StoreConfig(
+    write = WriteMode.BEHIND if cfg.server_write_behind else WriteMode.THROUGH
+    return open_port(StoreConfig(
         block_bytes=stored_bytes(spec), host_bytes=cfg.host_capacity_bytes, disk_dir=cfg.disk_dir,
         disk_bytes=cfg.disk_capacity_bytes if cfg.disk_dir is not None else 0, disk_shared=True, server=server,
         # a decode engine looks for a hand-off milliseconds after the prefill engine wrote it: every miss
         # may rescan (one stat of the folder when nothing changed)
         disk_refresh_s=0.0,
-        write_through=() if cfg.server_write_behind else below,
-        write_behind=below if cfg.server_write_behind else ()))
+        server_write=write if server is not None and lower else None))
 
 
 def _remote_params(request: Any) -> dict[str, Any]:
     params = getattr(request, "kv_transfer_params", None)
     return params if isinstance(params, dict) else {}
+
+
+def _ask_of(params: dict[str, Any]) -> HandoffAsk | None:
+    """The hand-off a prefill request asks for, if any; asked with a ``kvport_dest`` that is no
+    address, it goes through the store (the request does not pick where its KV goes)."""
+    try:
+        return HandoffAsk.parse(params)
+    except HandoffNotSentError:
+        return None
+    except HandoffParamsError:
+        return HandoffAsk()
+
+
+def _answer_of(params: dict[str, Any]) -> HandoffAnswer | HandoffParamsError:
+    """The prefill engine's answer a decode request carries, or what is wrong with it."""
+    try:
+        return HandoffAnswer.parse(params)
+    except HandoffParamsError as exc:
+        return exc
 
 
 def request_salt(request: Any) -> bytes:
@@ -194,7 +210,9 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning("kvport: kv_load_failure_policy=%r fails requests on a bad block; use 'recompute'",
                         self._kv_transfer_config.kv_load_failure_policy)
-        self.store = open_connector_store(self.cfg, self.spec)
+        opened = open_connector_store(self.cfg, self.spec)
+        self.store = opened.store
+        self.shared = opened.server  # the kvport server's tier: hand-offs are leased there
         self.key_context = KeyContext(block_size=self.spec.block_size, spec_fingerprint=self.spec.fingerprint,
                                       tenant_salt=self.cfg.tenant_salt)
         self.planner = StepPlanner(self.key_context, self.store.contains,
@@ -229,20 +247,21 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         prompt = request.prompt_token_ids or []
         tokens = request.all_token_ids if self.cfg.save_generated else None
         handed = _remote_params(request)
+        answer = _answer_of(handed) if handed.get("do_remote_prefill") and self.consumes else None
+        stream = self._stream_of(request, answer)
         # a hand-off streamed into this engine's inbox needs no store lookup (a round trip to the server,
         # on the decode request's TTFT): the worker takes the stream, and asks the store only for what it lacks
-        probe = not (handed.get("do_remote_prefill") and self.consumes and self._stream_of(request) is not None)
         n = self.planner.lookup(request.request_id, prompt, num_computed_tokens, request_salt(request), tokens,
-                                probe=probe)
-        if handed.get("do_remote_decode") and self.produces and self.cfg.pd_stream:
-            dest = parse_dest(handed.get(DEST_KEY))
-            if dest is not None and dest not in self.cfg.pd_destinations:
-                # only the inboxes this deployment configured: a request never picks where its KV goes
-                self._pd_refused_dest(dest)
-            elif dest is not None and self.planner.streamed(request.request_id) is None:
-                self.planner.stream_to(request.request_id, new_stream_id(), dest)
-        if handed.get("do_remote_prefill") and self.consumes:
-            n = self._check_handed(request, handed, num_computed_tokens, n)
+                                probe=stream is None)
+        ask = _ask_of(handed) if self.produces and self.cfg.pd_stream else None
+        dest = None if ask is None else ask.dest
+        if dest is not None and dest not in self.cfg.pd_destinations:
+            # only the inboxes this deployment configured: a request never picks where its KV goes
+            self._pd_refused_dest(dest)
+        elif dest is not None and self.planner.streamed(request.request_id) is None:
+            self.planner.stream_to(request.request_id, new_stream_id(), dest)
+        if answer is not None:
+            n = self._check_handed(request, answer, stream, num_computed_tokens, n)
             # the prefill engine computed these: no cost gate (recomputing is what PD avoids); loaded in
             # the background when configured, so the engine's other requests go on meanwhile
             load_async = self.cfg.async_handoff and n > 0
@@ -251,15 +270,13 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return n, load_async
         return gate(self.cost_planner, self.spec, len(prompt), num_computed_tokens, n), False
 
-    def _stream_of(self, request: Request) -> str | None:
+    def _stream_of(self, request: Request, answer: HandoffAnswer | HandoffParamsError | None) -> str | None:
         """The stream a decode request's hand-off arrives in, when this engine takes it from its inbox:
         an inbox, asynchronous loads, and the stream not tried already for this request (a load that
         failed comes back here for the rest, which the store has or vLLM computes)."""
         if self.cfg.pd_inbox is None or not self.cfg.async_handoff or request.request_id in self._stream_tried:
             return None
-        kv = _remote_params(request).get(PD_KEY)
-        stream = kv.get("stream") if isinstance(kv, dict) else None
-        return stream if isinstance(stream, str) and is_stream_id(stream) else None
+        return answer.stream if isinstance(answer, HandoffAnswer) else None
 
     def _pd_refused_dest(self, dest: str) -> None:
         STREAM_OUTCOMES.labels(outcome="refused_dest").inc()
@@ -273,23 +290,20 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if why:
             log.warning("kvport: request %s: %s; vLLM recomputes", req_id, why)
 
-    def _check_handed(self, request: Request, handed: dict[str, Any], local: int, hit: int) -> int:
+    def _check_handed(self, request: Request, answer: HandoffAnswer | HandoffParamsError, stream: str | None,
+                      local: int, hit: int) -> int:
         """The decode side of a hand-off: the sender's contract first, then what the store holds."""
         rid = request.request_id
-        kv = handed.get(PD_KEY)
-        stream = self._stream_of(request)
         if stream is not None:  # once: a load that failed comes back here for the rest (store or recompute)
             self._stream_tried.add(rid)
-        if not isinstance(kv, dict) or kv.get("v") != PD_VERSION:
-            self._pd("never_sent", rid, "do_remote_prefill without kvport's hand-off (the KV was never sent)")
-            return self._no_stream(stream, 0)
-        try:
-            sent = KVSpec.from_dict(kv["spec"])
-            tokens = int(kv["tokens"])
-        except (KVPortError, KeyError, TypeError, ValueError) as exc:
-            self._pd("bad_params", rid, f"unreadable kvport hand-off ({type(exc).__name__}: {exc})")
-            return self._no_stream(stream, 0)
-        mismatch = self.spec.first_mismatch(sent)
+        if isinstance(answer, HandoffNotSentError | HandoffVersionError):
+            self._pd("never_sent", rid, str(answer))
+            return 0
+        if isinstance(answer, HandoffParamsError):
+            self._pd("bad_params", rid, f"unreadable kvport hand-off ({answer})")
+            return 0
+        tokens = answer.tokens
+        mismatch = self.spec.first_mismatch(answer.spec)
         if mismatch is not None:
             name, mine, theirs = mismatch
             self._pd(f"spec_{name}", rid, f"KV sent for another engine: {name} is {theirs!r} there, {mine!r} here")
@@ -356,19 +370,18 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         rid = request.request_id
         self._stream_tried.discard(rid)
         try:
-            if not (self.produces and _remote_params(request).get("do_remote_decode")):
+            if not self.produces or _ask_of(_remote_params(request)) is None:
                 return False, None
             # streamed: the decode engine's inbox committed the blocks in the steps that computed them (the
             # ownership hand-off; the decode engine keeps them in the store); a failed stream was saved here
             stream = self.planner.streamed(rid)
-            shared = stream is None and isinstance(self.store.tiers.get("shared"), RemoteTier)
+            shared = stream is None and self.shared is not None
             keys = self.planner.hand_off(rid, self.cfg.pd_lease_s) if shared else self.planner.prompt_keys(rid)
-            params = {"do_remote_prefill": True, "do_remote_decode": False,
-                      PD_KEY: {"v": PD_VERSION, "tokens": len(keys) * self.spec.block_size,
-                               "last_key": keys[-1].hex() if keys else None, "spec": self.spec.as_dict(),
-                               "engine": self.engine_label, "lease_s": self.cfg.pd_lease_s if shared else None,
-                               "stream": stream}}
-            return shared, params
+            answer = HandoffAnswer(tokens=len(keys) * self.spec.block_size,
+                                   last_key=keys[-1].hex() if keys else None, spec=self.spec,
+                                   engine=self.engine_label, lease_s=self.cfg.pd_lease_s if shared else None,
+                                   stream=stream)
+            return shared, answer.to_params()
         finally:
             self.planner.finish(rid)
 
@@ -431,9 +444,8 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         lease that failed costs the decode engine a recompute, never the producer its blocks)."""
         outcome = "leased"
         try:
-            shared = self.store.tiers.get("shared")
-            if h.keys and isinstance(shared, RemoteTier):
-                _, leased = shared.lease(list(h.keys), h.lease_s)
+            if h.keys and self.shared is not None:
+                _, leased = self.shared.lease(list(h.keys), h.lease_s)
                 if leased < len(h.keys):
                     outcome = "partial"
                     log.warning("kvport: request %s: %d of %d handed-off blocks leased (the rest evicted or "

@@ -37,8 +37,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import re
-import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -61,8 +59,8 @@ from kvport.transfer import links
 from kvport.transfer.handoff import MAX_CONNECTIONS, TRANSFER_S, HandoffDialer, HandoffListener
 from kvport.transfer.sender import LayerStreamer, Outgoing, Sender
 
+from .params import is_stream_id
 from .plan import StreamCopy
-from .stream_addr import DEST_KEY, parse_dest
 
 if TYPE_CHECKING:  # torch comes with the paged KV; the proxy imports this module without vLLM
 
@@ -74,7 +72,6 @@ STREAM_OUTCOMES = metrics.counter(
     "vllm_pd_streams", "hand-offs streamed layer by layer, by outcome (producer: committed, failed, refused_dest "
     "-- a kvport_dest not among kvport_pd_destinations; decode: taken, partial, lapsed, refused, discarded -- "
     "its request did not need it)", ["outcome"])
-_STREAM_ID = re.compile(r"[0-9a-f]{32}")
 MAX_STREAMS = 4096  # streams an inbox holds at once (accepted ones only)
 MAX_REFUSED = 1024  # reasons kept for streams refused before anything landed (their decode requests ask)
 MAX_SPENT = 65536  # ids taken, discarded or lapsed, remembered so that none is filled again (~6 MiB at most)
@@ -82,14 +79,6 @@ SPENT_MIN_S = 600.0  # ... for at least this long (or the inbox's ttl_s, when lo
 RECEIVER_BUDGET_BYTES = 32 << 20  # bytes in flight per connection (credits); they land in the inbox at once
 SHM_SLOT_BYTES, SHM_SLOTS = 4 << 20, 8  # a producer's ring to one inbox: 32 MiB
 SHM_FRAME_BYTES = 32 << 20  # on shared memory a frame is one hand-off to the peer: a layer of a step per frame
-
-
-def new_stream_id() -> str:
-    return secrets.token_hex(16)
-
-
-def is_stream_id(value: object) -> bool:
-    return isinstance(value, str) and _STREAM_ID.fullmatch(value) is not None
 
 
 # ---------------------------------------------------------------------- decode side
@@ -599,14 +588,10 @@ class StreamOut:
 
 
 __all__ = [
-    "DEST_KEY",
     "STREAM_OUTCOMES",
     "Inbox",
     "InboxDestination",
     "InboxServer",
     "StreamCopy",
     "StreamOut",
-    "is_stream_id",
-    "new_stream_id",
-    "parse_dest",
 ]

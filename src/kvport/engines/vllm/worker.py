@@ -12,6 +12,11 @@ Load, per engine step (``prefix_ttft`` reports its read and copy times and GB/s)
     load_layer(i)         one ``index_copy_`` of layer i for every loaded block of the step
     finish_load()         copies any layer the engine did not ask for, drops the batch
 
+The background loader (:class:`AsyncLoads`) uses the mover's other half: ``deadline_for(n)`` (the
+time n blocks may take at this worker's read speed), ``load_now(keys, ids, deadline)`` (read and
+copy every layer at once, in staging-sized waves) and ``copy_in(ids, layer_of)`` (blocks that are
+already in memory, e.g. in the inbox, copied into the paged KV).
+
 A step loading more blocks than the staging holds is copied eagerly in staging-sized waves at
 ``begin_load`` (every layer at once), so correctness never depends on the staging size.
 
@@ -31,7 +36,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,7 +141,9 @@ class BlockMover:
                 return j
         return len(keys)
 
-    def _deadline(self, nblocks: int) -> Deadline:
+    def deadline_for(self, nblocks: int) -> Deadline:
+        """The deadline of a load of ``nblocks``: the policy's factor x what this worker's observed read
+        speed says they take (the policy's maximum before the first read)."""
         bps = self._read_bps
         return self.deadlines.for_expected(None if bps is None else nblocks * self.format.value_bytes / bps)
 
@@ -157,7 +164,7 @@ class BlockMover:
         cap = self.staging.capacity
         ids: list[int] = []
         eager = total > cap
-        deadline = self._deadline(total)  # one for the step's loads: nothing waits past it
+        deadline = self.deadline_for(total)  # one for the step's loads: nothing waits past it
         for c in loads:
             pos = 0
             while pos < len(c.keys):
@@ -184,15 +191,39 @@ class BlockMover:
             self._layers_done = [False] * self.spec.num_layers
 
     def _scatter_all(self, ids: list[int]) -> None:
-        if not ids:
+        n = len(ids)
+        self.copy_in(ids, lambda layer: self.staging.layer(layer, n))
+
+    def copy_in(self, block_ids: Sequence[int], layer_of: Callable[[int], np.ndarray], op: str = "loaded") -> None:
+        """Every layer of blocks already in memory into the paged KV: ``layer_of(i)`` is layer i's slabs
+        of them, (len(block_ids), slab), in the order of ``block_ids``; counted as loaded (metric ``op``)."""
+        if not block_ids:
             return
         t0 = time.perf_counter()
-        idx = np.asarray(ids, dtype=np.int64)
+        idx = np.asarray(block_ids, dtype=np.int64)
         for layer in range(self.spec.num_layers):
-            self.paged.scatter_layer(layer, idx, self.staging.layer(layer, len(ids)))
+            self.paged.scatter_layer(layer, idx, layer_of(layer))
         self.stats.load_copy_s += time.perf_counter() - t0
-        self.stats.blocks_loaded += len(ids)
-        _BLOCKS.labels(op="loaded").inc(len(ids))
+        self.stats.blocks_loaded += len(block_ids)
+        _BLOCKS.labels(op=op).inc(len(block_ids))
+
+    def load_now(self, keys: Sequence[BlockKey], block_ids: Sequence[int], deadline: Deadline) -> list[int]:
+        """Blocks read from the store and copied into the paged KV at once (every layer), in waves of the
+        staging's size; the block ids not loaded, from the first block that failed on (load errors,
+        counted; vLLM recomputes them)."""
+        cap = self.staging.capacity
+        pos = 0
+        while pos < len(keys):
+            take = min(cap, len(keys) - pos)
+            got = self._read(keys[pos : pos + take], 0, deadline)
+            self._scatter_all(list(block_ids[pos : pos + got]))
+            pos += got
+            if got < take:
+                rest = list(block_ids[pos:])
+                self.stats.blocks_failed += len(rest)
+                _BLOCKS.labels(op="load_failed").inc(len(rest))
+                return rest
+        return []
 
     def load_layer(self, layer: int) -> None:
         if self._ids is None or self._layers_done[layer]:
@@ -325,21 +356,14 @@ class AsyncLoads:
                         c.req_id, len(slots), len(c.keys), why)
         if not slots:
             return 0
-        m = self.mover
-        t0 = time.perf_counter()
-        ids = np.asarray(c.block_ids[: len(slots)], dtype=np.int64)
         rows = inbox.rows(slots)
         try:
-            for layer in range(m.spec.num_layers):
-                m.paged.scatter_layer(layer, ids, inbox.layer(layer, rows))
+            self.mover.copy_in(c.block_ids[: len(slots)], lambda layer: inbox.layer(layer, rows), op="streamed")
         except BaseException:
             inbox.release(slots)
             raise
         with self._lock:  # kept in the store once the request's first step ran (keep)
             self._taken[c.req_id] = (c.parent, list(zip(c.keys, slots, strict=False)))
-        m.stats.load_copy_s += time.perf_counter() - t0
-        m.stats.blocks_loaded += len(slots)
-        _BLOCKS.labels(op="streamed").inc(len(slots))
         return len(slots)
 
     def keep(self, req_ids: Iterable[str]) -> None:
@@ -371,24 +395,13 @@ class AsyncLoads:
     def _load(self, c: BlockCopy) -> list[int]:
         m = self.mover
         t0, copy0 = time.perf_counter(), m.stats.load_copy_s
-        cap = m.staging.capacity
-        deadline = m._deadline(len(c.keys))
+        deadline = m.deadline_for(len(c.keys))
         pos = 0
         try:
             if c.stream is not None and self.inbox is not None:
                 pos = self._from_inbox(c, self.inbox, c.stream, deadline)
-                deadline = m._deadline(len(c.keys) - pos)  # the store's reads get their own time
-            while pos < len(c.keys):
-                take = min(cap, len(c.keys) - pos)
-                got = m._read(c.keys[pos : pos + take], 0, deadline)
-                m._scatter_all(list(c.block_ids[pos : pos + got]))
-                pos += got
-                if got < take:
-                    rest = list(c.block_ids[pos:])
-                    m.stats.blocks_failed += len(rest)
-                    _BLOCKS.labels(op="load_failed").inc(len(rest))
-                    return rest
-            return []
+                deadline = m.deadline_for(len(c.keys) - pos)  # the store's reads get their own time
+            return m.load_now(c.keys[pos:], c.block_ids[pos:], deadline)
         finally:
             dt = time.perf_counter() - t0
             m.stats.load_read_s += dt - (m.stats.load_copy_s - copy0)

@@ -32,7 +32,7 @@ from kvport.config import subprocess_env
 from kvport.errors import EngineError
 from kvport.spec import DType, Layout, from_hf_config
 
-from .runner import ENGINE_ENV, EngineJob
+from .vllm_runner import ENGINE_ENV, EngineJob
 
 _VOCAB_LO, _VOCAB_HI = 100, 40000
 _WARMUP_TOKENS = 96
@@ -48,7 +48,7 @@ def vllm_cache_root() -> Path:
 
 def run_engine(job: EngineJob, workdir: Path, name: str, timeout_s: float = 900.0,
                engine_env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run one engine job in a fresh ``python -m kvport.engines.vllm.runner`` process.
+    """Run one engine job in a fresh ``python -m kvport.deploy.vllm_runner`` process.
 
     ``engine_env`` adds variables for vLLM (e.g. ``VLLM_CPU_OMP_THREADS_BIND``) on top of ENGINE_ENV."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -57,7 +57,7 @@ def run_engine(job: EngineJob, workdir: Path, name: str, timeout_s: float = 900.
     env = subprocess_env({**ENGINE_ENV, "VLLM_CACHE_ROOT": str(vllm_cache_root()), **(engine_env or {})})
     with log_path.open("wb") as log:
         try:
-            proc = subprocess.run([sys.executable, "-m", "kvport.engines.vllm.runner", str(job_path), str(out_path)],
+            proc = subprocess.run([sys.executable, "-m", "kvport.deploy.vllm_runner", str(job_path), str(out_path)],
                                   env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired as exc:
             raise EngineError(f"vLLM engine {name!r} ran past {timeout_s:.0f} s (log: {log_path})") from exc
@@ -181,7 +181,7 @@ def prefix_ttft(model_dir: str | Path, prompt_tokens: int = 2048, cached_tokens:
     return out
 
 
-if __name__ == "__main__":  # python -m kvport.engines.vllm.measure MODEL_DIR [prompt cached repeats]
+if __name__ == "__main__":  # python -m kvport.deploy.vllm_measure MODEL_DIR [prompt cached repeats]
     args = sys.argv[1:]
     nums = [int(a) for a in args[1:4]]
     print(json.dumps(prefix_ttft(args[0], *nums[:2], repeats=nums[2] if len(nums) > 2 else 3), indent=2))

@@ -1,6 +1,6 @@
-"""One vLLM engine in a child process, driven by a JSON job: the unit of ``measure``.
+"""One vLLM engine in a child process, driven by a JSON job: the unit of :mod:`.vllm_measure`.
 
-``python -m kvport.engines.vllm.runner JOB.json OUT.json``: start ``LLM`` (float32, eager,
+``python -m kvport.deploy.vllm_runner JOB.json OUT.json``: start ``LLM`` (float32, eager,
 multiprocessing off, the KVPortConnector when ``disk_dir`` is set), run the warm-up prompts,
 then each target prompt alone, and write one JSON result. A fresh process per job is the point:
 nothing is shared with another engine except the DiskTier folder.

@@ -36,7 +36,7 @@ from typing import Any
 from kvport.config import Settings, subprocess_env
 from kvport.errors import EngineError
 
-from .runner import CONNECTOR, CONNECTOR_MODULE
+from .vllm_runner import CONNECTOR, CONNECTOR_MODULE
 
 SERVE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -328,7 +328,7 @@ def recipe(model: str = "MODEL_DIR") -> str:
     """The shell commands of a one-host PD deployment: ``kvport serve``, a prefill and a decode ``vllm
     serve`` and ``kvport proxy``, rendered from the argv and environment :class:`EngineServer`,
     :class:`KVPortServer` and :class:`ProxyServer` start (the tests, the demo and ``kvport bench pd``
-    run these), so the documented path is the tested one. ``python -m kvport.engines.vllm.deploy
+    run these), so the documented path is the tested one. ``python -m kvport.deploy.vllm_serve
     [MODEL_DIR]`` prints it; docs/vllm.md holds it, checked by a test."""
     extra = {"kvport_server": RECIPE_SERVER, "kvport_disk_dir": "/dev/shm/kvport"}
     log = Path("/nonexistent/engine.log")

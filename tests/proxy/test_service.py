@@ -1,4 +1,4 @@
-"""``kvport proxy`` (kvport.engines.vllm.proxy) against stand-in engines on 127.0.0.1: what it asks the
+"""``kvport proxy`` (kvport.proxy.service) against stand-in engines on 127.0.0.1: what it asks the
 prefill engine, what it answers on /health, /metrics and /v1/models, how it bounds a client (head and
 body deadlines, size, nesting, a token that is not ASCII), and a client that disconnects (the engine
 requests closed at once, nothing recomputed, no traceback) -- issue 25, defects 9 and 11."""
@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvport.engines.vllm.proxy import (
+from kvport.proxy.service import (
     MAX_BODY_BYTES,
     MAX_JSON_DEPTH,
     PDProxy,

@@ -53,11 +53,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvport import metrics
 from kvport.config import MIN_TOKEN_CHARS
+from kvport.engines.vllm.params import HandoffAsk, parse_dest
 from kvport.errors import ConfigError
 from kvport.extras import require
 from kvport.protocol.net import is_loopback
-
-from .stream_addr import DEST_KEY, parse_dest
 
 try:
     import aiohttp
@@ -133,10 +132,7 @@ def prefill_body(body: dict[str, Any], inbox: str | None) -> dict[str, Any]:
     """The prefill engine's request for a client's ``body``: its prompt and sampling, one token,
     one sequence, not streamed, asking for a hand-off (streamed to ``inbox`` when given)."""
     pre = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
-    ask: dict[str, Any] = {"do_remote_decode": True}
-    if inbox is not None:
-        ask[DEST_KEY] = inbox
-    pre.update(max_tokens=1, n=1, stream=False, kv_transfer_params=ask)
+    pre.update(max_tokens=1, n=1, stream=False, kv_transfer_params=HandoffAsk(inbox).to_params())
     if "max_completion_tokens" in pre:
         pre["max_completion_tokens"] = 1
     return pre
@@ -318,7 +314,10 @@ class PDProxy:
 
     async def _prefill_step(self, path: str, body: dict[str, Any], inbox: str | None) -> dict[str, Any] | None:
         """Step 1: the prompt computed on a prefill engine (streaming its KV to ``inbox`` when given);
-        its hand-off, or None when it failed."""
+        its hand-off, or None when it failed. The answer's ``kv_transfer_params`` go to the decode
+        engine as sent: it is the one that reads them (:meth:`~kvport.engines.vllm.params.HandoffAnswer.parse`),
+        counts what is wrong with them and recomputes, and a proxy older or newer than the engines
+        passes on fields it does not know."""
         pre = prefill_body(body, inbox)
         url = next(self._prefill) + path
         try:

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from kvport.engines.vllm import bench
-from kvport.engines.vllm.measure import max_logprob_diff, prefix_ttft, random_tokens, summarize
+from kvport.deploy import vllm_bench as bench
+from kvport.deploy.vllm_measure import max_logprob_diff, prefix_ttft, random_tokens, summarize
 from kvport.errors import EngineError
 
 

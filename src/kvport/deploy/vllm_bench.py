@@ -1,4 +1,4 @@
-"""The entry ``kvport bench prefix`` calls for its ``results.vllm`` half (see ``measure.prefix_ttft``)."""
+"""The entry ``kvport bench prefix`` calls for its ``results.vllm`` half (see :func:`.vllm_measure.prefix_ttft`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 from kvport.config import Settings
 from kvport.errors import EngineError
 
-from .measure import prefix_ttft as _prefix_ttft
+from .vllm_measure import prefix_ttft as _prefix_ttft
 
 BLOCK_SIZE = 32
 

@@ -1,0 +1,15 @@
+"""What runs around the engines: their processes, the deployment recipe, and measurement through them.
+
+Above :mod:`kvport.engines` (it starts engines that load the connector by module path, each in a
+child process: only ``vllm_runner``, that child's main, imports vLLM) and beside :mod:`kvport.proxy` (started as
+``kvport proxy`` in a child process, never imported); used by the demo, the benchmarks and the
+tests, so that the documented deployment is the tested one.
+
+Modules::
+
+    vllm_runner   one vLLM engine job in a fresh process (``python -m kvport.deploy.vllm_runner``)
+    vllm_measure  prefix_ttft(): TTFT loaded-from-kvport vs recompute, each in a fresh engine process
+    vllm_bench    the entry ``kvport bench prefix`` calls for its ``results.vllm`` half
+    vllm_serve    EngineServer (one ``vllm serve`` in a role), KVPortServer, ProxyServer: a PD deployment,
+                  and its recipe (``python -m kvport.deploy.vllm_serve``)
+"""

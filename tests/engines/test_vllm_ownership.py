@@ -196,3 +196,23 @@ def test_two_requests_of_one_step_that_share_a_prefix_both_stream(
         assert why == "" and len(slots) == 2
         box.release(slots)
     assert len(box.ledger) == 0 and box.free_blocks == box.capacity
+
+
+def test_an_inbox_with_a_ledger_refuses_a_transfer_nobody_records(
+        engines: tuple[StreamOut, Inbox, InboxServer]) -> None:
+    """A sender that names no ledger owner (its hand-off would leave no record on its side) lands nothing,
+    even with the deployment's secret."""
+    from kvport.errors import UnknownPeerError
+    from kvport.protocol.transfer import TransferMeta
+    from kvport.transfer import links
+    from kvport.transfer.sender import Sender
+
+    _out, box, srv = engines
+    s = Sender(links.dial(srv.address, SECRET))
+    try:
+        with pytest.raises(UnknownPeerError):
+            s.begin(TransferMeta(SPEC, new_stream_id(), tuple(bytes(k) for k in chain_keys(list(range(8)), CTX))),
+                    timeout_s=5.0)
+    finally:
+        s.close()
+    assert box.free_blocks == box.capacity and box.ledger is not None and len(box.ledger) == 0

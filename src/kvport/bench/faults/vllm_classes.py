@@ -125,8 +125,10 @@ class InboxFull(VClass):
 
     def inject(self, prompt: list[int]) -> Outcome:
         from kvport.engines.vllm.params import new_stream_id
+        from kvport.ledger import Ledger
         from kvport.protocol.transfer import TransferMeta
         from kvport.transfer import links
+        from kvport.transfer.handoff import AuthenticatedPeers, engine_owner
         from kvport.transfer.sender import Sender
 
         env = self.env
@@ -136,7 +138,13 @@ class InboxFull(VClass):
         n = INBOX_TOKENS // BLOCK - 1  # leaves one block: the hand-off needs more
         keys = tuple(secrets.token_bytes(16) for _ in range(n))
         zero = memoryview(bytearray(env.spec.bytes_per_layer_block))
-        s = Sender(links.dial(env.inbox, env.secret))  # a member of the deployment fills it, never takes it
+        # a member of the deployment fills it, never takes it (recorded as every hand-off is: the inbox
+        # refuses a sender whose transfers name no ledger owner)
+        me = engine_owner("prefill", "inbox-filler")
+        led = Ledger(owners=[me])
+        for k in keys:
+            led.register(k, me)
+        s = Sender(links.dial(env.inbox, env.secret), ledger=led, owner=me, admit_peer=AuthenticatedPeers(led))
         try:
             s.send(TransferMeta(env.spec, new_stream_id(), keys), lambda layer: [zero] * n, timeout_s=30.0)
         except KVPortError:

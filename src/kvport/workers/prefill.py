@@ -17,7 +17,7 @@ engine's own; the transfer moves it (``begin_transfer`` after the decode worker 
 commit records HANDED_OFF to the decode worker's owner with the transfer id, which the decode
 worker records as ACQUIRE. Whatever is still the engine's after the request (an aborted transfer)
 is freed and forgotten: the engine owns nothing between requests. Storage is the store port
-(:func:`kvport.client.port.open_store`: host tier over the shared tier).
+(:func:`kvport.client.port.open_port`: host tier over the shared tier).
 
 Backpressure: the decode worker grants credits from the receive buffer it has free; the sender never
 has more bytes in flight than granted (credit waits are counted), and new prompts are admitted only
@@ -39,12 +39,11 @@ import torch
 
 from kvport import metrics
 from kvport.client.conn import ClientConfig
-from kvport.client.port import StoreConfig, open_store
-from kvport.client.remote import RemoteTier
+from kvport.client.port import StoreConfig, open_port
 from kvport.codec.envelope import stored_bytes
 from kvport.deadline import DeadlinePolicy
 from kvport.engines.hf import HFEngine, StoreBlocks
-from kvport.errors import DeadlineExceeded, KVPortError, PeerError
+from kvport.errors import ConfigError, DeadlineExceeded, KVPortError, PeerError
 from kvport.keys import chain_keys
 from kvport.ledger import Ledger, Move, Owner
 from kvport.planner import Action, Cached, Load, Planner, Request
@@ -71,11 +70,11 @@ class PrefillWorker:
         model, _ = load(model_dir, prepare_if_missing=False)
         self.spec = from_hf_config(model_dir, dtype=DType.FP32)
         bb = stored_bytes(self.spec)  # one sealed block (envelope + KV) per host page
-        self.store = open_store(StoreConfig(block_bytes=bb, host_bytes=max(host_bytes, 4 * bb),
-                                            redis_url=redis_url, server=ClientConfig(port=shared_port)))
-        shared = self.store.tiers[SHARED]
-        assert isinstance(shared, RemoteTier)
-        self.shared = shared
+        opened = open_port(StoreConfig(block_bytes=bb, host_bytes=max(host_bytes, 4 * bb), redis_url=redis_url,
+                                       server=ClientConfig(port=shared_port)))
+        if opened.server is None:  # a server is configured just above: the port always opens its tier
+            raise ConfigError("the prefill worker's store has no shared tier")
+        self.store, self.shared = opened.store, opened.server
         self.owner = Owner.engine(owner)
         self.kv_ledger = Ledger(owners=[self.owner])  # the KV this engine holds for its requests
         self.deadlines = deadlines or DeadlinePolicy()

@@ -41,6 +41,7 @@ from kvport.lifetime import Lifetime
 from kvport.metrics import counter, gauge
 
 _MOVES = counter("ledger_moves_total", "Ownership moves recorded by the ledger", ["move"])
+_MOVE_COUNTS = {m: _MOVES.labels(m.value) for m in Move}  # one child per move, looked up once (every put moves)
 _LEASES = counter("ledger_leases_total", "Leases granted")
 _PINS = counter("ledger_pins_total", "Pins taken")
 _EXPIRED = counter("ledger_expired_total", "Leases and pins reaped at their TTL", ["kind"])
@@ -226,7 +227,7 @@ class Ledger:
                 lifetime: Lifetime | None = None) -> None:
         self._history.append(MoveRecord(next(self._seq), self.clock(), key, move, before, after, owner_from,
                                         owner_to, tid, lifetime))
-        _MOVES.labels(move.value).inc()
+        _MOVE_COUNTS[move].inc()
 
     def _create(self, key: bytes, owner: Owner, move: Move = Move.REGISTER, origin: Owner | None = None,
                 tid: str | None = None, lifetime: Lifetime | None = None) -> _Block:

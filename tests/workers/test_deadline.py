@@ -1,9 +1,8 @@
-"""A decode request whose KV never arrives (the prefill worker connected, then stalled) is answered
+"""A decode request whose KV never arrives (the prefill worker connected over the hand-off, then stalled) is answered
 by recomputing once its load deadline passes: the same tokens, no hang, the stalled transfer void."""
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvport.deadline import DeadlinePolicy
+from kvport.transfer import links
 
 
 @pytest.mark.slow
@@ -24,7 +24,7 @@ def test_a_stalled_transfer_ends_at_the_deadline_and_the_request_recomputes(mode
     shared = SharedTier(tmp_path / "shared")
     port = shared.start()
     w = DecodeWorker(model_dir, port, 1, 4 << 20, 64, deadlines=DeadlinePolicy(min_s=0.5, factor=1.0, max_s=1.0))
-    stalled = socket.create_connection(("127.0.0.1", w.listener.port))  # connects, never sends a byte
+    stalled = links.dial(w.address, w.secret)  # connects and authenticates, never sends a transfer
     try:
         model, _ = load(model_dir, prepare_if_missing=False)
         plain = HFEngine(model, from_hf_config(model_dir, dtype=DType.FP32), None)

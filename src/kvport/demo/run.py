@@ -20,6 +20,7 @@ survives in the shared tier. Everything runs with embedded defaults (no external
 
 from __future__ import annotations
 
+import secrets
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,18 +112,18 @@ def run(opts: DemoOptions | None = None, json_path: Path | None = None,
             max_blocks = 1024  # 16k tokens: the decode worker's receive buffer, allocated once
             dl = settings.load_deadline
             deadline_cfg = (dl.min_s, dl.factor, dl.max_s)
+            secret = secrets.token_hex(32)  # the hand-off's: the two workers authenticate their link with it
             dcfg = {"model_dir": str(model_dir), "shared_port": port, "threads": opts.threads,
                     "budget_bytes": opts.receive_budget_bytes, "max_blocks": max_blocks, "owner": "decode-1",
-                    "peer": "prefill", "load_deadline": deadline_cfg}
+                    "secret": secret, "load_deadline": deadline_cfg}
             pcfg = {"model_dir": str(model_dir), "shared_port": port, "threads": opts.threads,
-                    "host_bytes": 256 << 20, "owner": "prefill", "load_deadline": deadline_cfg}
+                    "host_bytes": 256 << 20, "owner": "prefill", "secret": secret, "load_deadline": deadline_cfg}
             pw = Worker("prefill-worker", prefill_main, pcfg)
             dw = Worker("decode-worker", decode_main, dcfg)
             workers += [pw, dw]
             pw.ready(600)
             progress.advance(setup)
-            dport = int(dw.ready(600)["port"])
-            pw.call({"op": "connect", "port": dport, "peer": dcfg["owner"]})
+            pw.call({"op": "connect", "address": dw.ready(600)["address"]})
             progress.advance(setup)
             raw_gbps = raw_socket_gbps(32 << 20, trials=2) if opts.measure_link else None
             progress.advance(setup)
@@ -158,8 +159,7 @@ def run(opts: DemoOptions | None = None, json_path: Path | None = None,
                     dcfg = {**dcfg, "owner": f"decode-{restarts + 2}"}  # a new engine: a new owner
                     dw = Worker("decode-worker", decode_main, dcfg)
                     workers.append(dw)
-                    dport = int(dw.ready(600)["port"])
-                    pw.call({"op": "connect", "port": dport, "peer": dcfg["owner"]})
+                    pw.call({"op": "connect", "address": dw.ready(600)["address"]})
                     restarts += 1
                     restarted = True
                     progress.update(task, description="kvport (prefill worker -> decode worker)")

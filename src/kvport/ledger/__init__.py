@@ -9,16 +9,18 @@ cost), :class:`Lease`, :class:`Pin`, :class:`BlockRecord`, :class:`LeakReport`, 
 ::
 
     states   Owner / OwnerKind, BlockState, Move and transition(): the one function that moves a block's state
-    ledger   Ledger: every block's owner and state, hand-offs, leases and pins (and what their records cost)
+    ledger   Ledger: every block's owner and state, hand-offs, leases and pins
+    records  what it hands out (Lease, Pin, MoveRecord, BlockRecord, LeakReport, TransferRecord, Expired),
+             what each record costs (lease_bytes, PIN_BYTES) and new_tid, the id of a hand-off in both ledgers
 """
 
-from kvport.ledger.ledger import (
+from kvport.ledger.ledger import Ledger
+from kvport.ledger.records import (
     PIN_BYTES,
     BlockRecord,
     Expired,
     LeakReport,
     Lease,
-    Ledger,
     MoveRecord,
     Pin,
     TransferRecord,

@@ -33,14 +33,14 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kvport.errors import ConfigError, KVPortError, PeerError, ProtocolError
 from kvport.ledger.states import Owner, OwnerKind
 from kvport.protocol.errors import remote_error
 from kvport.protocol.frame import MsgType
-from kvport.protocol.rejects import Rejected
+from kvport.protocol.rejects import Rejected, RejectReason
 from kvport.protocol.sync import FrameIO
 from kvport.protocol.transfer import MAX_RECORDS, HandoffRecords, HandoffRecordsAnswer
 from kvport.spec import KVSpec
@@ -90,15 +90,22 @@ class HandoffListener:
     authenticated with ``secret``, the handshake bound to ``address`` and ``names``) and serves a
     :class:`Receiver` into ``destination`` per connection, on its own thread. One thread accepts and
     never talks to a peer. With ``ledger`` / ``owner`` every commit is recorded as ``owner`` acquiring
-    the blocks from the sender's owner (a peer admitted over the authenticated link)."""
+    the blocks from the sender's owner (a peer admitted over the authenticated link).
+
+    A consumer that takes transfers itself (layer by layer, as they land: ``Receiver.next_transfer``)
+    passes ``on_link``, called with each authenticated link's Receiver before it serves, and
+    ``auto_release=False`` to grant credits back as it frees what it consumed (``Receiver.release``):
+    the receive budget then bounds KV not yet consumed, not only bytes in flight."""
 
     def __init__(self, address: str, secret: bytes | None, spec: KVSpec, destination: DestinationFactory, *,
                  names: Sequence[str] = (), budget_bytes: int = 32 << 20, ledger: Ledger | None = None,
                  owner: Owner | None = None, max_connections: int = MAX_CONNECTIONS,
-                 transfer_s: float = TRANSFER_S, ring: links.ShmRing | None = None) -> None:
+                 transfer_s: float = TRANSFER_S, ring: links.ShmRing | None = None, auto_release: bool = True,
+                 on_link: Callable[[Receiver], None] | None = None) -> None:
         if (ledger is None) != (owner is None):
             raise ConfigError("a hand-off listener records commits with both a ledger and its owner, or neither")
         self.spec, self.destination, self.budget_bytes = spec, destination, budget_bytes
+        self.auto_release, self.on_link = auto_release, on_link
         self.ledger, self.owner = ledger, owner
         self.admit = None if ledger is None else AuthenticatedPeers(ledger)
         self.max_connections, self.transfer_s = max_connections, transfer_s
@@ -152,10 +159,12 @@ class HandoffListener:
             except KVPortError as exc:  # a peer that failed the handshake (or its deadline): logged, closed
                 log.warning("kvport: hand-off connection from %s refused (%s)", p.peer, exc)
                 return
-            r = Receiver(t, self.spec, self.destination, self.budget_bytes, ledger=self.ledger, owner=self.owner,
-                         admit_peer=self.admit)
+            r = Receiver(t, self.spec, self.destination, self.budget_bytes, auto_release=self.auto_release,
+                         ledger=self.ledger, owner=self.owner, admit_peer=self.admit)
             with self._lock:
                 self._receivers.add(r)
+            if self.on_link is not None:
+                self.on_link(r)
             if not self._closed.is_set():
                 r.serve()
         finally:
@@ -210,14 +219,18 @@ class HandoffDialer:
         self._idle: dict[str, list[Sender]] = {}
 
     def sender(self, dest: str) -> Sender:
-        """An idle pooled connection to ``dest`` that still works, or a new one (ConfigError for an
+        """An idle pooled connection to ``dest`` that still works (its window may still be full:
+        ``try_admit`` says when it may begin), or a new one (ConfigError for an
         address not among ``destinations``; PeerError / AuthError when dialling fails)."""
         if dest not in self.destinations:
             raise ConfigError(f"{dest!r} is not one of this deployment's hand-off destinations")
         pool = self._idle.get(dest, [])
         while pool:
             s = pool.pop()
-            if not isinstance(s.try_admit(), Rejected):  # an idle connection the peer closed is dropped
+            adm = s.try_admit()
+            # an idle connection the peer closed is dropped; one whose window is still full (the
+            # receiver has not freed the last transfer's bytes yet) is the caller's to wait out
+            if not (isinstance(adm, Rejected) and adm.reason is RejectReason.PEER_FAILED):
                 return s
             s.close()
         # kept between hand-offs: the connection may idle; every wait on it has its own bound

@@ -49,7 +49,7 @@ from kvport.errors import (
     TransferError,
     UnknownPeerError,
 )
-from kvport.ledger.ledger import new_tid
+from kvport.ledger.records import new_tid
 from kvport.ledger.states import Owner
 from kvport.metrics import counter
 from kvport.protocol.errors import remote_error

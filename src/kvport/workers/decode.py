@@ -2,7 +2,8 @@
 
 One request: ``op: expect`` (sent by the router together with the prefill) starts receiving on a
 background thread; ``op: decode`` (sent once the prefill worker answered with the first token)
-joins it and decodes::
+joins it and decodes. The link is the one hand-off (:class:`~kvport.transfer.handoff.HandoffListener`,
+authenticated with the run's secret; the newest link the prefill worker dialled is the one read)::
 
     incoming = receiver.next_transfer()          compatibility already checked at TRANSFER_BEGIN
     for layer i: wait_for_layer(i)               every block's layer i landed and passed its checksum
@@ -27,9 +28,10 @@ ledger forgets the acquired blocks: it owns nothing between requests. Storage is
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import Connection
@@ -47,9 +49,9 @@ from kvport.engines.hf import BlockLayout, HFEngine, Lifetime, StoreBlocks, dyna
 from kvport.errors import BufferMismatchError, DeadlineExceeded, KVPortError, PeerError, ProtocolError
 from kvport.ledger import Ledger, Owner
 from kvport.spec import DType, from_hf_config
-from kvport.transfer import Backpressure, BlockTableDestination, Incoming, Receiver, TransferMeta
+from kvport.transfer import BlockTableDestination, Incoming, Receiver, TransferMeta
+from kvport.transfer.handoff import HandoffListener
 from kvport.transfer.receiver import InState
-from kvport.transfer.tcp import TcpListener
 from kvport.workers import messages
 from kvport.workers.quiet import quiet_transformers
 
@@ -60,8 +62,11 @@ _REDIAL_GRACE_S = 0.5  # how long a receive waits for a new link after its link 
 
 class DecodeWorker:
     def __init__(self, model_dir: Path, shared_port: int, threads: int, budget_bytes: int, max_blocks: int,
-                 owner: str = "decode", peer: str = "prefill", deadlines: DeadlinePolicy | None = None,
-                 redis_url: str | None = None) -> None:
+                 owner: str = "decode", deadlines: DeadlinePolicy | None = None, redis_url: str | None = None,
+                 secret: bytes | None = None, names: Sequence[str] = ()) -> None:
+        """``secret``: the deployment's hand-off secret (the prefill worker dials with it; a new one
+        when None: only whoever reads :attr:`secret` can hand off here). ``names``: further addresses
+        the prefill worker may dial this worker by (a relay between them)."""
         from kvport.refmodel import load
 
         torch.set_num_threads(threads)
@@ -70,15 +75,15 @@ class DecodeWorker:
         self.spec = from_hf_config(model_dir, dtype=DType.FP32)
         self.store = open_store(StoreConfig(block_bytes=stored_bytes(self.spec), redis_url=redis_url,
                                             server=ClientConfig(port=shared_port)))
-        self.owner, self.peer = Owner.engine(owner), Owner.engine(peer)
-        self.kv_ledger = Ledger(owners=[self.owner], peers=[self.peer])  # the KV this engine holds
+        self.owner = Owner.engine(owner)
+        self.kv_ledger = Ledger(owners=[self.owner])  # the KV this engine holds (peers: who hands off here)
         self.deadlines = deadlines or DeadlinePolicy()
         self.eng = HFEngine(model, self.spec, StoreBlocks(self.store, self.spec))
         self.plain = HFEngine(model, self.spec, None)  # recompute path when a transfer fails
         self.recv = BlockLayout(self.spec, capacity_blocks=max_blocks)
         self.max_blocks = max_blocks
         self.budget = budget_bytes
-        self.listener = TcpListener("127.0.0.1", 0, timeout_s=None)  # idle between requests is fine
+        self.secret = secret or secrets.token_bytes(32)
         self.receiver: Receiver | None = None
         self._connected = threading.Event()
         self._closing = threading.Event()
@@ -86,7 +91,13 @@ class DecodeWorker:
         self._rx = ThreadPoolExecutor(1, thread_name_prefix="decode-rx")
         self._pending: dict[str, tuple[float, threading.Event, Future[tuple[Any, int, tuple[bytes, ...]]]]] = {}
         self._early: dict[str, tuple[Receiver, Incoming]] = {}  # transfers that came before their receive
-        threading.Thread(target=self._accept, name="decode-accept", daemon=True).start()
+        # the one hand-off (authenticated; every commit recorded as this engine acquiring the blocks
+        # from the prefill engine, admitted as a peer over the link). Credits come back as layers are
+        # consumed: the receive budget bounds KV not yet consumed
+        self.handoff = HandoffListener("127.0.0.1:0", self.secret, self.spec, self._destination, names=names,
+                                       budget_bytes=budget_bytes, ledger=self.kv_ledger, owner=self.owner,
+                                       auto_release=False, on_link=self._linked)
+        self.address = self.handoff.address
 
     def _destination(self, meta: TransferMeta) -> BlockTableDestination:
         if meta.n_blocks > self.max_blocks:  # a peer's count is capped before anything is sized by it
@@ -96,24 +107,14 @@ class DecodeWorker:
         buf = self.recv.staging(meta.n_blocks).numpy().reshape(-1).view(np.uint8)
         return BlockTableDestination(buf, range(meta.n_blocks), meta)
 
-    def _accept(self) -> None:
-        """The prefill worker's link; when it dials again (its link broke), the new link replaces
-        the old one (whose transfer in flight, if any, aborts: the request recomputes)."""
-        while True:
-            try:
-                t = self.listener.accept(timeout_s=None)
-            except KVPortError:
-                if self._closing.is_set():
-                    return
-                time.sleep(_STEP_S)  # a dial that failed its handshake: wait for the next one
-                continue
-            rx = Receiver(t, self.spec, self._destination, self.budget, Backpressure(), auto_release=False,
-                          ledger=self.kv_ledger, owner=self.owner, peers=[self.peer])
-            old, self.receiver = self.receiver, rx
-            rx.start()
-            if old is not None:
-                old.close()
-            self._connected.set()
+    def _linked(self, rx: Receiver) -> None:
+        """The prefill worker's link (authenticated); when it dials again (its link broke, or a
+        transfer on it failed), the new link replaces the old one (whose transfer in flight, if any,
+        aborts: the request recomputes)."""
+        old, self.receiver = self.receiver, rx
+        if old is not None:
+            old.close()
+        self._connected.set()
 
     def _receive(self, rid: str, n_tok: int, cancel: threading.Event) -> tuple[Any, int, tuple[bytes, ...]]:
         """The prefill worker's KV for ``rid`` as a cache of exactly ``n_tok`` tokens, its bytes, and
@@ -259,9 +260,7 @@ class DecodeWorker:
     def close(self) -> None:
         self._closing.set()
         self._rx.shutdown(wait=False, cancel_futures=True)
-        if self.receiver is not None:
-            self.receiver.close()
-        self.listener.close()
+        self.handoff.close()
         self.store.close()
 
 
@@ -270,12 +269,12 @@ def main(conn: Connection, cfg: dict[str, Any]) -> None:
     try:
         w = DecodeWorker(Path(cfg["model_dir"]), int(cfg["shared_port"]), int(cfg["threads"]),
                          int(cfg["budget_bytes"]), int(cfg["max_blocks"]), str(cfg.get("owner", "decode")),
-                         str(cfg.get("peer", "prefill")), DeadlinePolicy(*cfg.get("load_deadline", (1.0, 4.0, 30.0))),
-                         cfg.get("redis_url"))
+                         DeadlinePolicy(*cfg.get("load_deadline", (1.0, 4.0, 30.0))), cfg.get("redis_url"),
+                         bytes.fromhex(str(cfg["secret"])), [str(n) for n in cfg.get("names", ())])
     except Exception as exc:  # the router reports it; nothing else can
         messages.send(conn, {"op": "ready", "ok": False, "error": f"{type(exc).__name__}: {exc}"})
         return
-    messages.send(conn, {"op": "ready", "ok": True, "port": w.listener.port})
+    messages.send(conn, {"op": "ready", "ok": True, "address": w.address})
 
     def expect(msg: dict[str, Any]) -> dict[str, Any]:
         w.expect(str(msg["rid"]), int(msg["n_tokens"]))

@@ -26,7 +26,6 @@ while the window is below its high watermark (``try_admit``; rejections are coun
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
@@ -43,15 +42,15 @@ from kvport.client.port import StoreConfig, open_port
 from kvport.codec.envelope import stored_bytes
 from kvport.deadline import DeadlinePolicy
 from kvport.engines.hf import HFEngine, StoreBlocks
-from kvport.errors import ConfigError, DeadlineExceeded, KVPortError, PeerError
+from kvport.errors import ConfigError, KVPortError, PeerError
 from kvport.keys import chain_keys
 from kvport.ledger import Ledger, Move, Owner
 from kvport.planner import Action, Cached, Load, Planner, Request
 from kvport.planner.profile import LinkKind, machine_id
 from kvport.spec import DType, from_hf_config
-from kvport.transfer import Backpressure, Rejected, RejectReason, Sender, TransferMeta
+from kvport.transfer import Rejected, RejectReason, Sender, TransferMeta
+from kvport.transfer.handoff import HandoffDialer
 from kvport.transfer.sender import Outgoing
-from kvport.transfer.tcp import connect
 from kvport.workers import messages
 from kvport.workers.calibrate import quick_profile
 from kvport.workers.quiet import quiet_transformers
@@ -60,7 +59,7 @@ SHARED = "shared"
 
 
 class PrefillWorker:
-    def __init__(self, model_dir: Path, shared_port: int, threads: int, host_bytes: int,
+    def __init__(self, model_dir: Path, shared_port: int, threads: int, host_bytes: int, secret: bytes,
                  owner: str = "prefill", deadlines: DeadlinePolicy | None = None,
                  redis_url: str | None = None) -> None:
         from kvport.refmodel import load
@@ -81,9 +80,9 @@ class PrefillWorker:
         self.blocks = StoreBlocks(self.store, self.spec)
         self.eng = HFEngine(model, self.spec, self.blocks)
         self.planner = Planner(quick_profile(self.eng, self.shared), machine=machine_id())
-        self.sender: Sender | None = None
-        self._link: tuple[int, str] | None = None  # the decode worker's port and owner name
-        self._redial = False  # the last transfer ran past its deadline: the link is suspect
+        self.secret = secret
+        self.dialer: HandoffDialer | None = None  # to the decode worker the router named (op: connect)
+        self.dest = ""
         self._layers: queue.Queue[int | None] = queue.Queue()
         self._active: tuple[int, int] | None = None  # (first new block, prompt tokens) while a prefill runs
         self._cache: Any = None
@@ -101,20 +100,25 @@ class PrefillWorker:
 
         return after_layer
 
-    def connect(self, port: int, peer: str) -> None:
-        self._link = (port, peer)
-        # no socket timeout: the link idles between requests; each transfer has its deadline
-        new = Sender(connect("127.0.0.1", port, timeout_s=None), Backpressure(), credit_timeout_s=60.0,
-                     ledger=self.kv_ledger, owner=self.owner, peer=Owner.engine(peer))
-        old, self.sender = self.sender, new
+    def connect(self, address: str) -> None:
+        """Hand off to the decode worker at ``address`` from now on (the one hand-off,
+        :mod:`kvport.transfer.handoff`: authenticated with the deployment's secret, each commit a
+        recorded hand-off to the owner the decode worker names). The link is dialled now, so a
+        decode worker that cannot be reached is an error here, not in the next request."""
+        dialer = HandoffDialer(self.secret, [address], ledger=self.kv_ledger, owner=self.owner,
+                               credit_timeout_s=60.0)
+        dialer.keep(address, dialer.sender(address))
+        old, self.dialer, self.dest = self.dialer, dialer, address
         if old is not None:  # after the new link is up: the decode worker moves over to it
             old.close()
 
     # ------------------------------------------------------------------ one request
-    def _connected(self) -> Sender:
-        if self.sender is None:
+    def _sender(self) -> Sender:
+        """The link for this request: the idle one when it still works, else a new one (the decode
+        worker moves over to it)."""
+        if self.dialer is None:
             raise PeerError("no decode worker connected (op: connect)")
-        return self.sender
+        return self.dialer.sender(self.dest)
 
     def _link_expected_s(self, nbytes: int) -> float:
         """``nbytes`` over a loopback socket, as the calibration measured the shared tier's link."""
@@ -124,34 +128,38 @@ class PrefillWorker:
     def _lookup_expected_s(self) -> float:
         return 2 * self._link_expected_s(0)
 
-    def _admit(self) -> int:
+    def _admit(self, errors: list[KVPortError]) -> tuple[Sender | None, int]:
+        """This request's link once it admits a new transfer, and the rejections waited out. A link
+        that broke (a write cut at a deadline, the decode worker restarted) is dialled again; when
+        that fails too, this request's transfer fails (in ``errors``) and the decode worker recomputes."""
         rejections = 0
-        if self._redial and self._link is not None:
-            # a transfer that ran past its deadline leaves the link in a state no one can vouch for
-            # (credits the peer never returned for a frame it never got, a connection stuck in
-            # retransmission after a partition): the next request starts on a fresh one
-            self._redial = False
-            with contextlib.suppress(KVPortError):
-                self.connect(*self._link)
-        sender = self._connected()
-        deadline = time.monotonic() + 30.0
+        try:
+            sender = self._sender()
+        except KVPortError as exc:
+            errors.append(exc)
+            return None, rejections
+        deadline, redialled = time.monotonic() + 30.0, False
         while time.monotonic() < deadline:
             adm = sender.try_admit()
             if not isinstance(adm, Rejected):
                 break
-            if adm.reason is RejectReason.PEER_FAILED and self._link is not None:
-                # the link broke (a write cut at a deadline, the decode worker restarted): dial again;
-                # when that fails too, this request's transfer fails and the decode worker recomputes
-                with contextlib.suppress(KVPortError):
-                    self.connect(*self._link)
-                rejections += 1
-                break
             rejections += 1
+            if adm.reason is RejectReason.PEER_FAILED:
+                sender.close()
+                if redialled:  # a new link that failed at once: this request's transfer fails
+                    errors.append(PeerError(f"the link to the decode worker failed again: {adm.detail}"))
+                    return None, rejections
+                try:
+                    sender, redialled = self._sender(), True
+                except KVPortError as exc:
+                    errors.append(exc)
+                    return None, rejections
+                continue
             time.sleep(adm.retry_after_s if adm.retry_after_s is not None else 0.05)
-        return rejections
+        return sender, rejections
 
-    def _stream(self, h: Outgoing, rows: np.ndarray, n: int, errors: list[KVPortError], busy: list[float]) -> None:
-        sender = self._connected()
+    def _stream(self, sender: Sender, h: Outgoing, rows: np.ndarray, n: int, errors: list[KVPortError],
+                busy: list[float]) -> None:
         for _ in range(self.spec.num_layers):
             i = self._layers.get()
             if i is None:
@@ -171,7 +179,8 @@ class PrefillWorker:
         n_tok, bs = len(prompt), self.spec.block_size
         waits0 = metrics.sample("transfer_credit_waits_total") or 0.0
         wait_s0 = metrics.sample("transfer_credit_wait_seconds_sum") or 0.0
-        rejections = self._admit()
+        errors: list[KVPortError] = []
+        sender, rejections = self._admit(errors)
         while not self._layers.empty():  # nothing of an earlier request may reach this stream
             self._layers.get_nowait()
         t0 = time.perf_counter()
@@ -208,8 +217,6 @@ class PrefillWorker:
         if cache is None:
             cache = self.eng.layout.cache(self.eng.model.config, 0)
         # stream: begin (compatibility check) before computing, layers as they finish
-        sender = self._connected()
-        errors: list[KVPortError] = []
         busy: list[float] = []
         h: Outgoing | None = None
         # the hand-off has a deadline too, the policy's maximum: a decode worker that stops reading,
@@ -219,13 +226,14 @@ class PrefillWorker:
         # (pipelining), and its own load deadline already bounds what the request waits for
         handoff = self.deadlines.for_expected(None)
         try:
-            h = sender.begin(TransferMeta(self.spec, rid, tuple(keys)), deadline=handoff)
+            if sender is not None:
+                h = sender.begin(TransferMeta(self.spec, rid, tuple(keys)), deadline=handoff)
         except KVPortError as exc:
             errors.append(exc)
         rows = staging.numpy().reshape(n, self.spec.num_layers, -1).view(np.uint8)
         streamer = None
         if h is not None:
-            streamer = threading.Thread(target=self._stream, args=(h, rows, n, errors, busy), daemon=True)
+            streamer = threading.Thread(target=self._stream, args=(sender, h, rows, n, errors, busy), daemon=True)
             streamer.start()
         self._cache, self._active = cache, (use, n_tok) if streamer is not None else None
         tc = time.perf_counter()
@@ -244,7 +252,7 @@ class PrefillWorker:
         compute_s = time.perf_counter() - tc
         self.planner.observe_prefill(n_tok - use * bs, compute_s, cached=use * bs)
         committed = False
-        if streamer is not None and h is not None:
+        if sender is not None and streamer is not None and h is not None:
             streamer.join(120)
             try:
                 if errors:
@@ -256,7 +264,15 @@ class PrefillWorker:
                     errors.append(exc)
                 if not h.done:
                     sender.abort(h, str(exc))
-        self._redial = any(isinstance(e, DeadlineExceeded) for e in errors)
+        if sender is not None:
+            if committed:
+                self.dialer.keep(self.dest, sender)  # type: ignore[union-attr]  # a sender came from it
+            else:
+                # a transfer that failed leaves its link in a state no one can vouch for (credits the
+                # peer never returned for a frame it never got, a connection stuck in retransmission
+                # after a partition, a link the decode worker already gave up): the next request
+                # starts on a fresh one, and the decode worker moves over to it
+                sender.close()
         done_s = time.perf_counter() - t0
         handed = 0
         if committed and h is not None and h.ledger_tid:
@@ -281,8 +297,8 @@ class PrefillWorker:
         }
 
     def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
+        if self.dialer is not None:
+            self.dialer.close()
         self.store.close()
 
 
@@ -290,7 +306,7 @@ def main(conn: Connection, cfg: dict[str, Any]) -> None:
     """Process entry: build the worker, answer control messages until ``stop``."""
     try:
         w = PrefillWorker(Path(cfg["model_dir"]), int(cfg["shared_port"]), int(cfg["threads"]),
-                          int(cfg["host_bytes"]), str(cfg.get("owner", "prefill")),
+                          int(cfg["host_bytes"]), bytes.fromhex(str(cfg["secret"])), str(cfg.get("owner", "prefill")),
                           DeadlinePolicy(*cfg.get("load_deadline", (1.0, 4.0, 30.0))), cfg.get("redis_url"))
     except Exception as exc:  # the router reports it; nothing else can
         messages.send(conn, {"op": "ready", "ok": False, "error": f"{type(exc).__name__}: {exc}"})
@@ -299,7 +315,7 @@ def main(conn: Connection, cfg: dict[str, Any]) -> None:
                          if w.planner.profile else None})
 
     def connect(msg: dict[str, Any]) -> dict[str, Any]:
-        w.connect(int(msg["port"]), str(msg["peer"]))
+        w.connect(str(msg["address"]))
         return {"op": "connected"}
 
     messages.serve(conn, {"connect": connect, "prefill": lambda msg: {"op": "prefilled", **w.prefill(msg)}}, w.close)

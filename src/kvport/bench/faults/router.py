@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import time
 from dataclasses import dataclass, field
@@ -75,6 +76,11 @@ class ProxiedLink:
             self.close()
             raise
 
+    @property
+    def address(self) -> str:
+        """What the prefill worker dials: the fault proxy."""
+        return f"127.0.0.1:{self.proxy.port}"
+
     def point_to(self, decode_port: int) -> None:
         self.last.send("upstream", host="127.0.0.1", port=decode_port)
         time.sleep(0.05)  # the command is read before the prefill worker connects
@@ -122,16 +128,19 @@ class Workers:
         self.dw: Worker | None = None
         self.generation = 0
         self.starts = 0
+        self.secret = secrets.token_hex(32)  # the hand-off's: both workers, never on the link itself
 
     def _pcfg(self, cfg: WorkerConfig) -> dict[str, Any]:
         return {"model_dir": str(self.model_dir), "shared_port": cfg.prefill_shared_port or cfg.shared_port,
-                "threads": self.threads, "host_bytes": 256 << 20, "owner": "prefill",
+                "threads": self.threads, "host_bytes": 256 << 20, "owner": "prefill", "secret": self.secret,
                 "load_deadline": cfg.load_deadline, "redis_url": cfg.redis_url}
 
-    def _dcfg(self, cfg: WorkerConfig) -> dict[str, Any]:
+    def _dcfg(self, cfg: WorkerConfig, link: ProxiedLink) -> dict[str, Any]:
+        # the prefill worker dials the proxy: the hand-off's handshake is bound to the address dialled
         return {"model_dir": str(self.model_dir), "shared_port": cfg.shared_port, "threads": self.threads,
                 "budget_bytes": self.budget, "max_blocks": 1024, "owner": f"decode-{self.generation}",
-                "peer": "prefill", "load_deadline": cfg.load_deadline, "redis_url": cfg.redis_url}
+                "secret": self.secret, "names": [link.address], "load_deadline": cfg.load_deadline,
+                "redis_url": cfg.redis_url}
 
     def start(self, cfg: WorkerConfig, link: ProxiedLink) -> None:
         """Both workers with ``cfg`` over ``link`` (whatever ran before is stopped)."""
@@ -150,7 +159,7 @@ class Workers:
             _kill(self.dw)
         if decode:
             self.generation += 1
-            self.dw = Worker("decode-worker", decode_main, self._dcfg(cfg))
+            self.dw = Worker("decode-worker", decode_main, self._dcfg(cfg, link))
         if prefill:
             self.pw = Worker("prefill-worker", prefill_main, self._pcfg(cfg))
         self.starts += int(prefill) + int(decode)
@@ -158,10 +167,10 @@ class Workers:
             self.pw.ready(600)
         if self.dw is None or self.pw is None:
             raise PeerError("workers not started")
-        dport = int(self.dw.ready(600)["port"]) if decode else None
-        if dport is not None:
-            link.point_to(dport)
-            self.pw.call({"op": "connect", "port": link.proxy.port, "peer": f"decode-{self.generation}"}, 60)
+        daddr = str(self.dw.ready(600)["address"]) if decode else None
+        if daddr is not None:
+            link.point_to(int(daddr.rpartition(":")[2]))
+            self.pw.call({"op": "connect", "address": link.address}, 60)
 
     def pid(self, role: str) -> int:
         w = self.pw if role == "prefill" else self.dw

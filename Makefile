@@ -21,7 +21,7 @@ WHEELCHECK_PYTHONS ?= 3.12 3.13
 
 XXHASH_H := /usr/include/xxhash.h
 
-$(STAMP): pyproject.toml src/kvport/_memops.c
+$(STAMP): pyproject.toml $(wildcard src/kvport/_memops*.c src/kvport/_memops*.h)
 	@# xxhash.h (Debian's libxxhash-dev) for the native memory kernels kvport._memops; without it the
 	@# package still installs and kvport.memops runs its numpy + xxhash fallbacks (slower)
 	@test -f $(XXHASH_H) || { echo "installing libxxhash-dev (Debian package)"; \

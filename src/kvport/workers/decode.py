@@ -86,7 +86,6 @@ class DecodeWorker:
         self.secret = secret or secrets.token_bytes(32)
         self.receiver: Receiver | None = None
         self._connected = threading.Event()
-        self._closing = threading.Event()
         self._save_bps: float | None = None  # the shared tier's write speed, as saves observed it
         self._rx = ThreadPoolExecutor(1, thread_name_prefix="decode-rx")
         self._pending: dict[str, tuple[float, threading.Event, Future[tuple[Any, int, tuple[bytes, ...]]]]] = {}
@@ -258,7 +257,6 @@ class DecodeWorker:
                 "store_error": store_error, "acquired_blocks": owned, "owned_after": len(self.kv_ledger)}
 
     def close(self) -> None:
-        self._closing.set()
         self._rx.shutdown(wait=False, cancel_futures=True)
         self.handoff.close()
         self.store.close()

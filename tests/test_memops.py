@@ -4,9 +4,11 @@ out-of-bounds chunks before copying anything; the widest set the CPU runs is the
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -137,6 +139,25 @@ def test_a_kernel_set_that_cannot_run_here_is_refused() -> None:
         with pytest.raises(ValueError, match="do not run on this CPU"):
             memops.use(k)
     assert memops.path() == memops.PATH  # a refused choice changes nothing
+
+
+def _path_in_child(value: str) -> tuple[str, str]:
+    env = {**os.environ, "KVPORT_MEMOPS": value}
+    out = subprocess.run([sys.executable, "-c", "from kvport import memops; print(memops.PATH)"], env=env,
+                         capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout.strip(), out.stderr
+
+
+def test_kvport_memops_picks_the_kernels_of_a_process_tree() -> None:
+    """A benchmark of the AVX2 set on an AVX-512 machine, or of the fallbacks, runs every process it
+    spawns on them: the variable, not a call, picks them."""
+    if not memops.NATIVE:
+        pytest.skip("kvport._memops not built here")
+    for k in memops.paths():
+        assert _path_in_child(k)[0] == k
+    assert _path_in_child("fallback")[0] == "None"
+    got, err = _path_in_child("sse9")  # not a set that runs here: a warning naming it, the default kept
+    assert got == memops.paths()[0] and "KVPORT_MEMOPS=sse9" in err
 
 
 CROSS_CC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")

@@ -2,7 +2,8 @@
 when a compiler and Debian's ``libxxhash-dev`` are there) or numpy + python-xxhash fallbacks that
 give the same results, slower. The native kernels exist once per instruction set and the widest
 the CPU runs is used (:data:`PATH`: ``avx512``, ``avx2`` or ``portable``, the last for any CPU;
-``None`` on the fallbacks); :func:`paths` and :func:`use` name and pick the others (tests, benchmarks).
+``None`` on the fallbacks); :func:`paths` and :func:`use` name and pick the others (tests, benchmarks),
+and the environment variable ``KVPORT_MEMOPS`` picks them for a whole process tree.
 
 - :func:`xxh3_many`: the xxh3-64 digest of each buffer, packed u64 little-endian (the wire's chunk
   trailers), in one call with the GIL released.
@@ -18,6 +19,8 @@ exception tree at their boundary.
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -30,6 +33,26 @@ try:
 except ImportError:  # not built here (no compiler or no xxhash.h at install): the fallbacks below
     _native = None
 
+
+def _chosen(native: ModuleType | None) -> ModuleType | None:
+    """``KVPORT_MEMOPS`` (``avx512``, ``avx2``, ``portable`` or ``fallback``) picks the kernels for this
+    process and its children (a benchmark of the AVX2 set on an AVX-512 machine, a check of the
+    fallbacks); unset, the widest the CPU runs. A name that does not run here is a warning, not an
+    error: the default stays."""
+    want = os.environ.get("KVPORT_MEMOPS", "").strip().lower()
+    if not want or native is None:
+        return native
+    if want == "fallback":
+        return None
+    try:
+        native.use(want)
+    except ValueError:
+        warnings.warn(f"KVPORT_MEMOPS={want}: not one of the kernels that run here ({', '.join(native.paths())}, "
+                      f"fallback); using {native.path()}", RuntimeWarning, stacklevel=2)
+    return native
+
+
+_native = _chosen(_native)
 NATIVE = _native is not None
 PATH: str | None = _native.path() if _native is not None else None  # the kernels in use at import
 

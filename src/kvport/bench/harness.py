@@ -18,6 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from kvport import memops
 from kvport.errors import ConfigError
 
 _VERSIONED = ("kvport", "numpy", "torch", "xxhash", "zstandard", "redis", "msgpack", "transformers",
@@ -91,11 +92,28 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def _cpu_isa() -> str:
+    """The widest vector extension the CPU has that kvport's kernels use: avx512, avx2 or other."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                if {"avx512f", "avx512bw"} <= have:
+                    return "avx512"
+                return "avx2" if "avx2" in have else "other"
+    except OSError:
+        pass
+    return "unknown"
+
+
 def conditions(**extra: Any) -> dict[str, Any]:
-    """Machine facts at the start of a run, plus the suite's own conditions."""
+    """Machine facts at the start of a run, plus the suite's own conditions (the CPU's vector
+    extensions and the memory kernels in use: figures differ by several times between them)."""
     return {
         "machine": platform.machine(),
         "cpu": _cpu_model(),
+        "cpu_isa": _cpu_isa(),
+        "memops": memops.path() or "fallback (numpy + xxhash)",
         "cpu_count": os.cpu_count(),
         "loadavg_start": list(os.getloadavg()),
         "platform": platform.platform(),

@@ -22,6 +22,7 @@ import enum
 import importlib
 import importlib.metadata
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -184,12 +185,18 @@ def native_check() -> Check:
                      "--no-binary kvport kvport")
     try:
         native = importlib.import_module("kvport._memops")
+        memops = importlib.import_module("kvport.memops")  # KVPORT_MEMOPS applied
         in_use = str(native.path())
     except (ImportError, AttributeError) as exc:  # AttributeError: a build older than the dispatch
         return Check("native", Status.UNUSABLE, f"kvport._memops built, not loadable here ({exc}; {cpu}): "
                      "numpy + xxhash fallbacks, same results, slower",
                      "pip install --force-reinstall --no-deps --no-binary kvport kvport")
-    return Check("native", Status.OK, f"kvport._memops in use: the {in_use} kernels ({platform.machine()})")
+    picked = os.environ.get("KVPORT_MEMOPS", "").strip()
+    if picked and memops.path() is None:
+        return Check("native", Status.OK, f"kvport._memops built; KVPORT_MEMOPS={picked}: the numpy + xxhash "
+                     f"fallbacks in use ({cpu})")
+    why = f", picked by KVPORT_MEMOPS={picked}" if picked else ""
+    return Check("native", Status.OK, f"kvport._memops in use: the {in_use} kernels{why} ({cpu})")
 
 
 def redis_checks(url: str) -> list[Check]:

@@ -105,7 +105,7 @@ from kvport.transfer.handoff import engine_owner
 
 from .config import ConnectorConfig
 from .identity import check_expected, engine_spec
-from .paged import PagedKV
+from .paged import PagedKV, choose_layout
 from .params import HandoffAnswer, HandoffAsk, new_stream_id
 from .plan import BlockCopy, HandOff, ScheduledRequest, StepPlan, StepPlanner
 from .spin import limit_idle_spin
@@ -192,6 +192,34 @@ def request_salt(request: Any) -> bytes:
     if lora is not None:
         parts.append(b"lora:" + str(getattr(lora, "lora_name", lora)).encode())
     return b"\0".join(parts)
+
+
+def _attention_backend(vllm_config: VllmConfig) -> tuple[str, str | None]:
+    """The engine's attention backend (``get_name()``; one for every layer) and its resolved KV cache
+    layout ("HND" / "NHD", None where this release does not say)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    names = sorted({b.get_name() for b in get_current_attn_backends(vllm_config)})
+    if len(names) != 1:
+        raise EngineError(f"kvport serves engines with one attention backend, this one has {names or 'none'}")
+    resolve = getattr(vllm_config.cache_config, "get_resolved_kv_cache_layout", None)
+    try:
+        layout = getattr(resolve(), "name", None) if callable(resolve) else None
+    except ValueError:  # not resolved (yet): only FlashInfer's split layouts need it, NHD is its default
+        layout = None
+    # vLLM's KVCacheLayout: H before N in the physical order is HND (LBHNC, LHBNC, BLHNC, BHLNC)
+    hnd = None if layout is None else ("HND" if layout.index("H") < layout.index("N") else "NHD")
+    return names[0], hnd
+
+
+def _paged_kv(kv_caches: dict[str, torch.Tensor], spec: KVSpec, vllm_config: VllmConfig) -> PagedKV:
+    """The engine's paged KV in the layout its attention backend uses (refused, with the backend or the
+    shape named, where kvport does not know it)."""
+    backend, cache_layout = _attention_backend(vllm_config)
+    first = next(iter(kv_caches.values()))
+    layout = choose_layout(backend, first, spec, cache_layout)
+    log.info("kvport: attention backend %s, KV layout %s", backend, layout.value)
+    return PagedKV(kv_caches, spec, layout)
 
 
 class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -387,7 +415,7 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        paged = PagedKV(kv_caches, self.spec)
+        paged = _paged_kv(kv_caches, self.spec, self._vllm_config)
         staging = max(1, -(-self.cfg.staging_tokens // self.spec.block_size))
         self.mover = BlockMover(self.spec, self.store, paged, staging, self.cfg.load_deadline)
         token = Settings.from_env().pd_secret  # the deployment's hand-off secret: every inbox link authenticates

@@ -43,7 +43,8 @@ def weights_fingerprint(model_dir: Path) -> str:
 
 
 def engine_spec(model: str, *, dtype: str, block_size: int, tp_size: int = 1, revision: str = "") -> KVSpec:
-    """The spec of a vLLM engine serving ``model`` (a local folder) with the CPU paged layout."""
+    """The spec of a vLLM engine serving ``model`` (a local folder); ``Layout.VLLM_CPU`` names the stored
+    paged block format every engine layout reads and writes (:mod:`.paged`), not the engine's own."""
     model_dir = Path(model)
     if not model_dir.is_dir():
         raise EngineError(f"KVPortConnector needs a local model folder, got {model!r} "

@@ -545,10 +545,9 @@ class StreamOut:
     def layer(self, layer: int) -> None:
         """Layer ``layer`` of every open transfer's blocks: views of the paged KV, sent by each
         transfer's thread (the blocks stay the request's until ``finish``: nothing rewrites them)."""
-        arr = self.paged.arrays[layer]
         for o in self._open:
             with contextlib.suppress(TransferError):  # finish() reports it
-                o.streamer.push(layer, [arr[b].data for b in o.sc.copy.block_ids])
+                o.streamer.push(layer, self.paged.slab_views(layer, o.sc.copy.block_ids))
                 o.layers += 1
 
     @property

@@ -91,7 +91,7 @@ class BlockMover:
         self.paged = paged
         self.format = block_format(spec)  # every stored block: envelope + the block's slabs
         h = self.format.header_len
-        self.staging = StagingSlots(spec, staging_blocks, header=h)
+        self.staging = StagingSlots(spec, staging_blocks, header=h, pinned=paged.device.type == "cuda")
         # save buffer: one stored value per block of a batched put; touched now, like the staging
         nsave = staging_blocks if save_blocks is None else save_blocks
         self._save_buf = np.ones((nsave, self.format.value_bytes), dtype=np.uint8)
@@ -267,9 +267,17 @@ class BlockMover:
                 parent = chunk[-1][0]
 
     def _save_chunk(self, chunk: list[tuple[BlockKey, int]], parent: BlockKey | None) -> None:
-        for j, (key, block_id) in enumerate(chunk):
-            self.paged.gather_block(block_id, self._save_slabs[j])
-            self.format.seal(self._save_views[j], key)  # right after the copy: the slabs are in cache
+        if self.paged.zero_copy:  # block by block: each sealed right after its copy, its slabs in cache
+            for j, (key, block_id) in enumerate(chunk):
+                self.paged.gather_block(block_id, self._save_slabs[j])
+                self.format.seal(self._save_views[j], key)
+        else:  # strided or device layouts: one gather per layer for the whole chunk
+            n = len(chunk)
+            ids = np.fromiter((block_id for _, block_id in chunk), dtype=np.int64, count=n)
+            for layer in range(self.spec.num_layers):
+                self.paged.gather_layer(layer, ids, self._save_slabs[:n, layer])
+            for j, (key, _) in enumerate(chunk):
+                self.format.seal(self._save_views[j], key)
         items = [(key, self._save_views[j]) for j, (key, _) in enumerate(chunk)]
         try:  # one batch: a DiskTier writes it as one slab, read back later with one preadv
             self.store.put_many(items, parent=parent)

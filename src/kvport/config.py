@@ -1,7 +1,10 @@
 """One typed configuration, built once from environment variables (``KVPORT_*``) and flags.
 
-This is the only module of kvport that reads ``os.environ``. Everything else receives a
-:class:`Settings` (or one of its small value objects) explicitly.
+This is the only module of kvport that reads ``os.environ``, but for ``KVPORT_MEMOPS`` (the memory
+kernels: ``avx512``, ``avx2``, ``portable`` or ``fallback`` for a whole process tree), which
+:mod:`kvport.memops` reads at import: it is below this module and applies the choice in every
+process before anything hashes or copies. Everything else receives a :class:`Settings` (or one of its
+small value objects) explicitly.
 
 ==========================  =====================================================  ===========================
 variable                    meaning                                                default

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -32,9 +33,33 @@ try:
     from kvport import _memops as _native
 except ImportError:  # not built here (no compiler or no xxhash.h at install): the fallbacks below
     _native = None
+if _native is not None and not hasattr(_native, "path"):  # a build older than the dispatch (doctor says so)
+    _native = None
 
 
-# the one KVPORT_* variable read outside kvport.config: memops is below it (and imported by it)
+# the CPU features each of kvport._memops's kernel sets needs, widest first (portable: none)
+KERNEL_NEEDS: tuple[tuple[str, tuple[str, ...]], ...] = (("avx512", ("avx2", "avx512f", "avx512bw")),
+                                                          ("avx2", ("avx2",)), ("portable", ()))
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``: x86 ``flags``, Arm ``Features``; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
+    return set(line.partition(":")[2].split())
+
+
+def cpu_kernels() -> str:
+    """The widest kernel set this CPU runs, built or not (``portable`` on any CPU)."""
+    have = cpu_flags()
+    return next(name for name, needs in KERNEL_NEEDS if all(f in have for f in needs))
+
+
+# the one KVPORT_* variable not read by kvport.config: memops is below config in the layers and every
+# process applies it at import (a benchmark's spawned children too), before anything hashes or copies
 PICKED: str | None = os.environ.get("KVPORT_MEMOPS", "").strip().lower() or None
 
 

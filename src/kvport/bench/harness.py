@@ -92,27 +92,13 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _cpu_isa() -> str:
-    """The widest vector extension the CPU has that kvport's kernels use: avx512, avx2 or other."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                if {"avx512f", "avx512bw"} <= have:
-                    return "avx512"
-                return "avx2" if "avx2" in have else "other"
-    except OSError:
-        pass
-    return "unknown"
-
-
 def conditions(**extra: Any) -> dict[str, Any]:
     """Machine facts at the start of a run, plus the suite's own conditions (the CPU's vector
     extensions and the memory kernels in use: figures differ by several times between them)."""
     return {
         "machine": platform.machine(),
         "cpu": _cpu_model(),
-        "cpu_isa": _cpu_isa(),
+        "cpu_isa": memops.cpu_kernels(),  # the widest kernel set the CPU runs: avx512, avx2 or portable
         "memops": memops.path() or "fallback (numpy + xxhash)",
         "cpu_count": os.cpu_count(),
         "loadavg_start": list(os.getloadavg()),

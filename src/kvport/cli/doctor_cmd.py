@@ -32,6 +32,7 @@ from typing import Any
 
 import click
 
+from kvport import memops
 from kvport.config import Settings, subprocess_env
 from kvport.errors import ConfigError, KVPortError
 from kvport.extras import EXTRAS, found, installed_version, missing, version_problem
@@ -43,9 +44,6 @@ PROBES: dict[str, tuple[str, ...]] = {"codecs": ("kvport.codec.int8",), "eval": 
                                       "vllm": ("kvport.engines.vllm.connector",), "hf": ("kvport.engines.hf",)}
 # extras whose imports one child checks together (eval is hf + codecs: torch is imported once)
 SHARED_PROBE = ("hf", "codecs", "eval")
-# the CPU features each of kvport._memops's kernel sets needs, widest first (portable: none)
-NATIVE_PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (("avx512", ("avx2", "avx512f", "avx512bw")),
-                                                          ("avx2", ("avx2",)), ("portable", ()))
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 _QUIET = {"VLLM_LOGGING_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
 _PROBE = r"""
@@ -165,19 +163,8 @@ def reinstall_fix(module: str, err: str) -> str:
     return f"pip install --force-reinstall --no-deps {dist}"
 
 
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
-    return set(line.partition(":")[2].split())
-
-
 def native_check() -> Check:
-    have = cpu_flags()
-    fits = next(name for name, needs in NATIVE_PATHS if all(f in have for f in needs))
-    cpu = f"{platform.machine()}, the CPU runs the {fits} kernels"
+    cpu = f"{platform.machine()}, the CPU runs the {memops.cpu_kernels()} kernels"
     if not found("kvport._memops"):
         return Check("native", Status.MISSING, f"kvport._memops not built (no compiler or xxhash.h at install): "
                      f"numpy + xxhash fallbacks, same results, slower ({cpu})",
@@ -185,7 +172,6 @@ def native_check() -> Check:
                      "--no-binary kvport kvport")
     try:
         native = importlib.import_module("kvport._memops")
-        memops = importlib.import_module("kvport.memops")  # KVPORT_MEMOPS applied
         in_use = str(native.path())
     except (ImportError, AttributeError) as exc:  # AttributeError: a build older than the dispatch
         return Check("native", Status.UNUSABLE, f"kvport._memops built, not loadable here ({exc}; {cpu}): "

@@ -39,6 +39,7 @@ so callers catch kvport types only. Backpressure is *not* an error: admission re
     │   │       ├── HandoffVersionError     a hand-off of another version
     │   │       └── HandoffUnreadableError  a field missing, of the wrong type or past its cap
     │   ├── IncompatibleSpecError      receiver refused the sender's spec (names the field)
+    │   ├── ReshardError               heads of a re-shard missing, duplicated or not this rank's
     │   ├── ChecksumError              payload chunk failed its checksum
     │   ├── PeerError                  connection reset, peer died, peer stopped reading
     │   ├── AuthError                  handshake failed / missing token
@@ -207,6 +208,11 @@ class IncompatibleSpecError(TransferError):
         self.field = field
         self.expected = expected
         self.got = got
+
+
+class ReshardError(TransferError):
+    """A re-shard between TP widths cannot link: a head arrived twice, never arrived, is not this
+    rank's, or the pieces disagree on the request (:mod:`kvport.transfer.reshard`)."""
 
 
 class ChecksumError(TransferError):

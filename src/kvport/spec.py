@@ -190,11 +190,12 @@ class KVSpec:
         packed = msgpack.packb(sorted(self.as_dict().items()), use_bin_type=True)
         return xxhash.xxh3_128_digest(b"kvport.spec.v1\0" + packed)
 
-    def first_mismatch(self, other: KVSpec) -> tuple[str, Any, Any] | None:
-        """The first field (in a fixed order) where ``other`` differs from this spec, or None."""
+    def first_mismatch(self, other: KVSpec, ignore: tuple[str, ...] = ()) -> tuple[str, Any, Any] | None:
+        """The first field (in a fixed order, none of ``ignore``) where ``other`` differs from this
+        spec, or None."""
         mine, theirs = self.as_dict(), other.as_dict()
         for name in COMPAT_FIELDS:
-            if mine[name] != theirs[name]:
+            if name not in ignore and mine[name] != theirs[name]:
                 return name, mine[name], theirs[name]
         return None
 
@@ -204,6 +205,30 @@ class KVSpec:
     def for_rank(self, rank: int, size: int) -> KVSpec:
         return replace(self, tp_rank=rank, tp_size=size)
 
+    def heads(self, lo: int, hi: int) -> KVSpec:
+        """The spec of the model's KV heads ``[lo, hi)`` alone (a piece of a re-shard between TP
+        widths): the rank ``lo // w`` of ``num_kv_heads // w`` ranks, ``w = hi - lo``, so its block
+        keys, sizes and envelope are those of a rank holding exactly these heads. A latent cache is
+        replicated on every rank: its one piece is the whole (tp 1). SpecError for a range no TP
+        width holds (not aligned to its width, or outside the model's heads)."""
+        if self.latent:
+            if (lo, hi) != (0, self.num_kv_heads):
+                raise SpecError(f"a latent cache is replicated on every rank: heads [{lo}, {hi}) are not a piece")
+            return replace(self, tp_rank=0, tp_size=1)
+        n, w = self.num_kv_heads, hi - lo
+        if not 0 <= lo < hi <= n or n % w or lo % w:
+            raise SpecError(f"KV heads [{lo}, {hi}) of {n} are not what one rank of a TP width holds")
+        return replace(self, tp_rank=lo // w, tp_size=n // w)
+
+    def shared_heads(self, other: KVSpec) -> tuple[int, int] | None:
+        """``[lo, hi)``: the KV heads both this rank and ``other`` (another rank of the same model,
+        maybe of another TP width) hold, or None when they share none."""
+        (a, b), (c, d) = self.head_range, other.head_range
+        lo, hi = max(a, c), min(b, d)
+        return (lo, hi) if lo < hi else None
+
+
+TP_FIELDS: tuple[str, ...] = ("tp_size", "tp_rank")  # what a re-shard may change (heads, not bytes per head)
 
 COMPAT_FIELDS: tuple[str, ...] = (
     "model_id", "revision", "dtype", "layout", "num_layers", "num_kv_heads", "head_dim",

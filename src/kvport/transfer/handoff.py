@@ -95,17 +95,20 @@ class HandoffListener:
     A consumer that takes transfers itself (layer by layer, as they land: ``Receiver.next_transfer``)
     passes ``on_link``, called with each authenticated link's Receiver before it serves, and
     ``auto_release=False`` to grant credits back as it frees what it consumed (``Receiver.release``):
-    the receive budget then bounds KV not yet consumed, not only bytes in flight."""
+    the receive budget then bounds KV not yet consumed, not only bytes in flight.
+
+    ``reshard``: senders of another TP width are accepted for the heads they share with ``spec``,
+    into a ``destination`` that assembles them (:class:`kvport.transfer.reshard.Assemblies`)."""
 
     def __init__(self, address: str, secret: bytes | None, spec: KVSpec, destination: DestinationFactory, *,
                  names: Sequence[str] = (), budget_bytes: int = 32 << 20, ledger: Ledger | None = None,
                  owner: Owner | None = None, max_connections: int = MAX_CONNECTIONS,
                  transfer_s: float = TRANSFER_S, ring: links.ShmRing | None = None, auto_release: bool = True,
-                 on_link: Callable[[Receiver], None] | None = None) -> None:
+                 on_link: Callable[[Receiver], None] | None = None, reshard: bool = False) -> None:
         if (ledger is None) != (owner is None):
             raise ConfigError("a hand-off listener records commits with both a ledger and its owner, or neither")
         self.spec, self.destination, self.budget_bytes = spec, destination, budget_bytes
-        self.auto_release, self.on_link = auto_release, on_link
+        self.auto_release, self.on_link, self.reshard = auto_release, on_link, reshard
         self.ledger, self.owner = ledger, owner
         self.admit = None if ledger is None else AuthenticatedPeers(ledger)
         self.max_connections, self.transfer_s = max_connections, transfer_s
@@ -160,7 +163,7 @@ class HandoffListener:
                 log.warning("kvport: hand-off connection from %s refused (%s)", p.peer, exc)
                 return
             r = Receiver(t, self.spec, self.destination, self.budget_bytes, auto_release=self.auto_release,
-                         ledger=self.ledger, owner=self.owner, admit_peer=self.admit)
+                         ledger=self.ledger, owner=self.owner, admit_peer=self.admit, reshard=self.reshard)
             with self._lock:
                 self._receivers.add(r)
             if self.on_link is not None:

@@ -212,14 +212,18 @@ class Receiver:
     def __init__(self, transport: Transport, spec: KVSpec, destinations: DestinationFactory, budget_bytes: int,
                  bp: Backpressure | None = None, limits: Limits = DEFAULT_LIMITS, codecs: Iterable[str] = ("raw",),
                  auto_release: bool = True, ledger: Ledger | None = None, owner: Owner | None = None,
-                 peers: Iterable[Owner] = (), admit_peer: Callable[[Owner], bool] | None = None) -> None:
+                 peers: Iterable[Owner] = (), admit_peer: Callable[[Owner], bool] | None = None,
+                 reshard: bool = False) -> None:
         """``auto_release``: bytes are released as soon as they landed and verified (the destination is
         the caller's own memory; credits then bound bytes in flight); otherwise the consumer calls
         :meth:`release` once it has freed committed KV (credits then bound the buffer it holds).
 
         ``ledger`` / ``owner``: record each commit as ``owner`` acquiring the blocks from the sender's
         owner, which must be one of ``peers`` (added to the ledger), already a peer of it, or one
-        ``admit_peer`` admits (it adds it: a sender on an authenticated link, :mod:`kvport.transfer.handoff`)."""
+        ``admit_peer`` admits (it adds it: a sender on an authenticated link, :mod:`kvport.transfer.handoff`).
+
+        ``reshard``: accept senders of another TP width whose heads are some of this rank's (their
+        destination assembles the heads: :mod:`kvport.transfer.reshard`); else such a spec is refused."""
         if ledger is not None and owner is None:
             raise ConfigError("a Receiver with a ledger needs its owner")
         peers = tuple(peers)
@@ -236,6 +240,7 @@ class Receiver:
         self.auto_release = auto_release
         self.ledger, self.owner = ledger, owner
         self.admit_peer = admit_peer
+        self.reshard = reshard
         for p in peers:
             ledger.add_peer(p)  # type: ignore[union-attr]  # checked above
         self.incoming: queue.Queue[Incoming] = queue.Queue()
@@ -404,12 +409,12 @@ class Receiver:
             raise ProtocolError(f"TRANSFER_BEGIN {tid} while {self.current.tid} is open")
         try:
             peer = self._sender_owner(begin)
-            check_compatible(self.spec, meta, self.codecs)
+            check_compatible(self.spec, meta, self.codecs, self.reshard)
             link = None
             if meta.codec_id != "raw":  # the codecs (torch, numba) load only when a link uses one
                 from kvport.transfer.linkcodec import LinkCodec
 
-                link = LinkCodec.for_peer(meta.codec_id, meta.codec_params, self.spec, meta.block_layer_bytes)
+                link = LinkCodec.for_peer(meta.codec_id, meta.codec_params, meta.spec, meta.block_layer_bytes)
             if meta.block_layer_bytes > self.pool.budget:
                 raise TierFullError(f"one block-layer ({meta.block_layer_bytes} B) exceeds the budget "
                                     f"({self.pool.budget} B)")

@@ -54,6 +54,20 @@ _TOKENS = metrics.counter("hf_prompt_tokens", "prompt tokens seen by the transfo
 _FALLBACKS = metrics.counter("hf_load_fallbacks", "loads abandoned for a recompute", ["error"])
 
 
+def tp_of(model: Any) -> tuple[int, int]:
+    """(tp_size, tp_rank) a transformers model runs as: (1, 0) unless it was loaded with a
+    ``tp_plan`` over a process group (each rank then computes, and caches, its KV heads only)."""
+    size = int(getattr(model, "tp_size", None) or 1)
+    if size == 1:
+        return 1, 0
+    mesh = getattr(model, "device_mesh", None)
+    if mesh is not None:
+        return size, int(mesh.get_local_rank())
+    import torch.distributed as dist
+
+    return size, int(dist.get_rank())
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationResult:
     tokens: tuple[int, ...]  # generated ids (EOS included when produced)
@@ -103,7 +117,8 @@ class HFEngine:
         """``gqa_attention``: switch a CPU model on stock ``sdpa`` to kvport's grouped-query variant
         (:func:`kvport.engines.hf.cache.use_gqa_attention`; same outputs, no K/V expansion under a mask)
         and lay its decoder's linear weights out as ``[in, out]`` in memory
-        (:func:`kvport.engines.hf.weights.transpose_linear_weights`; bit-identical results, faster).
+        (:func:`kvport.engines.hf.weights.transpose_linear_weights`; bit-identical results, faster;
+        not for a model sharded by a ``tp_plan``, whose weights are DTensors).
         ``prefetch_weights``: read the next layer's weights on a spare core during each forward
         (:mod:`kvport.engines.hf.prefetch`; same outputs; worth it only when the process computes on
         fewer cores than it may use). Both change ``model`` itself, so every user of the model (a
@@ -114,10 +129,14 @@ class HFEngine:
         n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         got = (cfg.num_hidden_layers, n_kv, head_dim)
-        if (spec.num_layers, spec.kv_heads_per_rank, spec.head_dim) != got or spec.tp_size != 1:
+        if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != got:
             raise EngineError(f"spec {spec.model_id} (layers, kv heads, head dim) = "
-                              f"{(spec.num_layers, spec.kv_heads_per_rank, spec.head_dim)} does not match the "
-                              f"model's {got} (or tp_size != 1)")
+                              f"{(spec.num_layers, spec.num_kv_heads, spec.head_dim)} does not match the "
+                              f"model's {got}")
+        tp = tp_of(model)
+        if (spec.tp_size, spec.tp_rank) != tp:
+            raise EngineError(f"spec {spec.model_id} is rank {spec.tp_rank} of tp_size {spec.tp_size}; the model "
+                              f"runs as rank {tp[1]} of {tp[0]} (transformers' tp_plan)")
         self.model = model
         self.spec = spec
         self.store = store
@@ -139,7 +158,7 @@ class HFEngine:
             from kvport.engines.hf.cache import use_gqa_attention
 
             use_gqa_attention(model)
-        if gqa_attention and next(model.parameters()).device.type == "cpu":
+        if gqa_attention and next(model.parameters()).device.type == "cpu" and spec.tp_size == 1:
             from kvport.engines.hf.weights import transpose_linear_weights
 
             transpose_linear_weights(model)
@@ -149,12 +168,19 @@ class HFEngine:
             weight_prefetch(model)
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path, store: BlockStore | None = None, **kw: Any) -> HFEngine:
-        """Load the model fp32 from an HF folder; spec from its config.json (dtype fp32)."""
+    def from_model_dir(cls, model_dir: Path, store: BlockStore | None = None, *, tp_plan: bool = False,
+                       **kw: Any) -> HFEngine:
+        """Load the model fp32 from an HF folder; spec from its config.json (dtype fp32).
+
+        ``tp_plan``: shard it over the process group this process is a rank of (transformers'
+        ``tp_plan="auto"``; on a CPU over gloo, set up from ``RANK`` / ``WORLD_SIZE`` /
+        ``MASTER_ADDR`` / ``MASTER_PORT``): the spec is then this rank's, its KV heads only."""
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-        return cls(model, from_hf_config(model_dir, dtype=DType.FP32), store, **kw)
+        extra = {"tp_plan": "auto"} if tp_plan else {}
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **extra).eval()
+        size, rank = tp_of(model)
+        return cls(model, from_hf_config(model_dir, dtype=DType.FP32).for_rank(rank, size), store, **kw)
 
     # ------------------------------------------------------------------ pieces
     def keys(self, tokens: Sequence[int] | np.ndarray) -> list[BlockKey]:
@@ -173,7 +199,25 @@ class HFEngine:
 
         With a planner, the planner is asked first (``prompt_tokens`` long prompt, the hit cached in
         ``tier_name``); when it says recompute, nothing is loaded and the reason is the fallback. Split is
-        run as load here (the engine computes the uncached rest either way)."""
+        run as load here (the engine computes the uncached rest either way).
+
+        Under tensor parallelism every rank loads its own heads and the ranks then agree on the
+        shortest prefix any of them holds (one all-reduce): a rank whose load missed or failed makes
+        the others compute the same tokens, so the group's forward stays one forward."""
+        loaded = self._load_own(keys, prompt_tokens)
+        if self.spec.tp_size == 1:
+            return loaded
+        import torch.distributed as dist
+
+        agreed = torch.tensor([loaded.blocks], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        n = int(agreed[0])
+        if n == loaded.blocks:
+            return loaded
+        why = loaded.fallback or f"another rank holds {n} of these {loaded.blocks} blocks"
+        return Loaded(n, self.layout.cache(self.model.config, n) if n else None, why)
+
+    def _load_own(self, keys: Sequence[BlockKey], prompt_tokens: int | None) -> Loaded:
         if self.store is None or not keys:
             return Loaded(0, None)
         try:

@@ -326,3 +326,12 @@ def test_a_refused_codec_frame_is_recomputed_with_the_same_output(model: object,
     r = eng.generate(prompt, NEW)
     assert r.tokens == reference and r.cached_tokens == 0 and r.fallback is not None
     assert not inner.contains(key) or inner.get(key) != bad  # the bad frame was dropped
+
+
+def test_a_rank_spec_is_refused_for_a_model_that_is_not_sharded(model: object, model_dir: Path) -> None:
+    """A spec of rank 1 of 3 over a whole model would cache 3 heads as 1: refused, naming both."""
+    from kvport.errors import EngineError
+
+    spec = from_hf_config(model_dir, dtype=DType.FP32).for_rank(1, 3)
+    with pytest.raises(EngineError, match=r"rank 1 of tp_size 3; the model runs as rank 0 of 1"):
+        HFEngine(model, spec)

@@ -14,6 +14,8 @@ below this package. Modules, bottom to top::
     linkcodec    a codec per link: block-layers travel encoded
     sender | receiver   the two ends of a transfer: layer-wise streaming or whole blocks, every
                  (block, layer) verified exactly once, commits recorded as hand-offs between ledgers
+    reshard      re-shard between TP widths: a rank's heads assembled from senders of another width
+                 (Assemblies, HeadAssembly: every head once, keys checked) or split for its receivers
     handoff      the hand-off between engines: HandoffListener (a Receiver per authenticated
                  connection, capped, transfer deadline) and HandoffDialer (pooled Senders to the
                  deployment's destinations only), both ledgers recording it; records() asks a

@@ -79,7 +79,8 @@ class _Piece(_Lifecycle):
         self.buf = np.empty((meta.n_blocks, meta.spec.num_layers, meta.block_layer_bytes), dtype=np.uint8)
 
     def view(self, block: int, layer: int) -> memoryview:
-        return self.buf[block, layer].data
+        row: memoryview = self.buf[block, layer].data
+        return row
 
     def commit(self) -> None:
         self.move(DestState.COMMITTED)

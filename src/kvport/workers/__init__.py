@@ -7,6 +7,7 @@ breaks what they run on), above the engines, the planner and transfer they use. 
     messages    the control messages: msgpack maps over a pipe, lengths capped, no pickle
     prefill     the prefill worker: lookup, planner, load or recompute, stream layer by layer
     decode      the decode worker: receive layer by layer, decode, store the session in the shared tier
+    tp_rank     one tensor-parallel rank (prefill or decode) of a re-shard between TP widths
     calibrate   a quick calibration of this machine for the prefill worker's planner
     workload    the multi-turn chat workload: a shared system prompt, users, rounds, token-level turns
     quiet       silence transformers' progress bars and info logs in the worker processes

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -102,8 +103,7 @@ def _prefill(conn: Connection, cfg: dict[str, Any], engine: Any, secret: bytes) 
             part = split(blocks, spec, piece)
             keys = chain_keys(prompt[: n * spec.block_size], KeyContext(spec.block_size, piece.fingerprint))
             s = dialer.sender(addr)
-            h = s.send(TransferMeta(piece, cfg["request_id"], tuple(keys)),
-                       lambda la, part=part: [part[i, la].data for i in range(n)])
+            h = s.send(TransferMeta(piece, cfg["request_id"], tuple(keys)), _layer_views(part))
             dialer.keep(addr, s)
             sent += h.sent_bytes
             pieces.append([r, *piece.head_range])
@@ -111,6 +111,11 @@ def _prefill(conn: Connection, cfg: dict[str, Any], engine: Any, secret: bytes) 
         dialer.close()
     return {"sent_bytes": sent, "pieces": pieces, "first_token": pf.first_token, "prefill_s": t_prefill,
             "send_s": time.perf_counter() - t1, "blocks": n, "block_bytes": spec.bytes_per_block}
+
+
+def _layer_views(part: np.ndarray) -> Callable[[int], list[memoryview]]:
+    """Layer ``la`` of every block of a split piece, one view per block (what ``Sender.send`` reads)."""
+    return lambda la: [part[i, la].data for i in range(part.shape[0])]
 
 
 def _decode(conn: Connection, cfg: dict[str, Any], engine: Any, secret: bytes) -> dict[str, Any]:

@@ -12,6 +12,10 @@ algorithm: usable as a dict key, as a file name (``key.hex()``) and as a fixed-w
 Because every key chains from the root, the extra keys (model, tenant, codec) change *every* key of
 the prefix, and a block's key fixes its whole prefix: equal keys mean equal prefixes.
 
+Under tensor parallelism the chain is the model's at width 1 (``KVSpec.whole``) and each rank's
+blocks are keyed by :func:`head_keys` for the KV heads it holds: a rank of one TP width never reads
+a block of another, and every rank (or re-shard piece) holding the same heads finds the same keys.
+
 Tokens are converted to one contiguous int32 array once; the loop is one hash call per block and
 no per-token Python work (measured by ``kvport bench hash`` against raw xxh3 of the same bytes).
 A trailing partial block gets no key unless ``include_partial=True``.
@@ -145,6 +149,22 @@ def chain_keys(
         tail = np.ascontiguousarray(arr[n_full * bs :], dtype="<i4").tobytes()
         keys.append(h(prev + tail + b"\xffpartial"))
     return keys
+
+
+def head_keys(keys: Sequence[BlockKey], lo: int, hi: int, num_heads: int,
+              algo: HashAlgo = HashAlgo.XXH3_128) -> list[BlockKey]:
+    """The keys of the KV heads ``[lo, hi)`` of blocks keyed ``keys`` (the chain of all
+    ``num_heads`` heads, at tensor-parallel width 1): ``keys`` themselves for every head, else each
+    key hashed with the range, so a rank of any TP width (or a re-shard's piece) stores its heads
+    under keys of their own, and equal keys still mean equal bytes (the same heads of the same prefix).
+    One hash call per block, with the chain's own hash (``algo``: its ``KeyContext.algo``)."""
+    if not 0 <= lo < hi <= num_heads:
+        raise KeyingError(f"heads [{lo}, {hi}) of {num_heads}")
+    if (lo, hi) == (0, num_heads):
+        return list(keys)
+    tag = b"kvport.heads.v1" + lo.to_bytes(2, "little") + hi.to_bytes(2, "little")
+    h = _HASHERS[algo]
+    return [h(k + tag) for k in keys]
 
 
 def key_hex(key: BlockKey) -> str:

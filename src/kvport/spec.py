@@ -205,6 +205,12 @@ class KVSpec:
     def for_rank(self, rank: int, size: int) -> KVSpec:
         return replace(self, tp_rank=rank, tp_size=size)
 
+    @property
+    def whole(self) -> KVSpec:
+        """This model's spec at tensor-parallel width 1 (every KV head): what block keys chain from
+        (:func:`kvport.keys.head_keys` then names a rank's heads)."""
+        return replace(self, tp_rank=0, tp_size=1)
+
     def heads(self, lo: int, hi: int) -> KVSpec:
         """The spec of the model's KV heads ``[lo, hi)`` alone (a piece of a re-shard between TP
         widths): the rank ``lo // w`` of ``num_kv_heads // w`` ranks, ``w = hi - lo``, so its block

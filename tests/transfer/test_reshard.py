@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from kvport.errors import IncompatibleSpecError, ReshardError, SpecError, TransferError
-from kvport.keys import KeyContext, chain_keys
+from kvport.keys import KeyContext, chain_keys, head_keys
 from kvport.spec import DType, KVSpec
 from kvport.transfer import BlockTableDestination, TransferMeta
 from kvport.transfer.handoff import HandoffDialer, HandoffListener
-from kvport.transfer.reshard import Assemblies, piece_for, split
+from kvport.transfer.reshard import Assemblies, piece_for, piece_keys, split
 
 FULL = KVSpec(model_id="m", num_layers=3, num_kv_heads=6, head_dim=8, dtype=DType.FP16, block_size=4)
 N = 5
@@ -23,7 +23,7 @@ TOKENS = np.arange(N * FULL.block_size, dtype=np.int64) + 7
 
 
 def _keys(spec: KVSpec, tokens: np.ndarray = TOKENS) -> tuple[bytes, ...]:
-    return tuple(chain_keys(tokens, KeyContext(spec.block_size, spec.fingerprint)))
+    return tuple(piece_keys(tokens, spec))
 
 
 def _blocks(spec: KVSpec, seed: int = 0) -> np.ndarray:
@@ -81,7 +81,11 @@ def test_a_piece_names_the_heads_of_a_rank_that_holds_exactly_them() -> None:
     for lo, hi in ((1, 3), (0, 4), (5, 7)):  # not what one rank of a width holds
         with pytest.raises(SpecError, match="heads"):
             FULL.heads(lo, hi)
-    assert _keys(FULL.heads(0, 2)) != _keys(FULL.heads(2, 4)) != _keys(FULL)  # a key names its heads
+    # a key names its heads: the whole model's chain, keyed for the range (every head: the chain itself)
+    whole = chain_keys(TOKENS, KeyContext(FULL.block_size, FULL.fingerprint))
+    assert list(_keys(FULL)) == whole
+    assert list(_keys(FULL.heads(2, 4))) == head_keys(whole, 2, 4, 6) != list(_keys(FULL.heads(0, 2)))
+    assert _keys(FULL.for_rank(1, 3)) == _keys(FULL.for_rank(2, 6).heads(2, 4))  # same heads, same keys
 
 
 def test_three_senders_assemble_one_rank_bit_exact_each_byte_once(secret: bytes) -> None:

@@ -50,6 +50,8 @@ class EngineJob:
     max_model_len: int = 4096
     block_size: int = 32
     drop_cache_before_targets: bool = False
+    tensor_parallel_size: int = 1  # > 1: vLLM's worker processes, one per rank (threads unbound on a CPU)
+    enable_prefix_caching: bool = True  # off: a prompt seen before is loaded from kvport, not vLLM's cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +93,11 @@ def _drop_cache(folder: Path) -> None:
 def run(job: EngineJob) -> dict[str, Any]:
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    kw: dict[str, Any] = {}
+    kw: dict[str, Any] = {"enable_prefix_caching": job.enable_prefix_caching}
+    if job.tensor_parallel_size > 1:
+        kw |= {"tensor_parallel_size": job.tensor_parallel_size, "distributed_executor_backend": "mp"}
+        # vLLM's CPU auto-binding wants a NUMA node per rank; a one-node machine runs the ranks unbound
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if job.disk_dir is not None:
         kw["kv_transfer_config"] = kv_transfer_config(job.disk_dir, job.extra_config)
     t0 = time.perf_counter()

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvport.errors import ReshardError, TierFullError
+from kvport.keys import KeyContext, chain_keys, head_keys
 from kvport.spec import KVSpec
 from kvport.transfer.destination import DestState, _Lifecycle
 from kvport.transfer.meta import TransferMeta
@@ -45,6 +46,14 @@ MAX_BYTES = 1 << 30  # bytes of blocks an Assemblies holds at once (assembled an
 TTL_S = 120.0  # an assembly nobody took this long after its first piece is dropped
 
 KeysFor = Callable[[KVSpec], Sequence[bytes]]  # the request's block keys under a piece's spec
+
+
+def piece_keys(tokens: np.ndarray | Sequence[int], piece: KVSpec, ctx: KeyContext | None = None) -> list[bytes]:
+    """The block keys of ``piece``'s heads for ``tokens``: the chain of the whole model (``ctx``, by
+    default the one of ``piece.whole``) keyed for the heads (:func:`kvport.keys.head_keys`), what
+    a rank of any width holding exactly these heads stores them under."""
+    ctx = ctx or KeyContext(block_size=piece.block_size, spec_fingerprint=piece.whole.fingerprint)
+    return head_keys(chain_keys(tokens, ctx), *piece.head_range, piece.num_kv_heads, ctx.algo)
 
 
 def piece_for(src: KVSpec, dst: KVSpec) -> KVSpec | None:
@@ -233,4 +242,4 @@ class Assemblies:
             return len(self._open)
 
 
-__all__ = ["Assemblies", "HeadAssembly", "KeysFor", "piece_for", "split"]
+__all__ = ["Assemblies", "HeadAssembly", "KeysFor", "piece_for", "piece_keys", "split"]

@@ -79,10 +79,9 @@ def _prompt_blocks(engine: Any, prompt: np.ndarray) -> int:
 
 def _prefill(conn: Connection, cfg: dict[str, Any], engine: Any, secret: bytes) -> dict[str, Any]:
     from kvport.engines.hf import cache_layers
-    from kvport.keys import KeyContext, chain_keys
     from kvport.transfer import TransferMeta
     from kvport.transfer.handoff import HandoffDialer
-    from kvport.transfer.reshard import piece_for, split
+    from kvport.transfer.reshard import piece_for, piece_keys, split
 
     messages.send(conn, {"op": "ready", "ok": True})
     prompt = np.asarray(cfg["prompt"], dtype=np.int64)
@@ -101,7 +100,7 @@ def _prefill(conn: Connection, cfg: dict[str, Any], engine: Any, secret: bytes) 
             if piece is None:
                 continue
             part = split(blocks, spec, piece)
-            keys = chain_keys(prompt[: n * spec.block_size], KeyContext(spec.block_size, piece.fingerprint))
+            keys = piece_keys(prompt[: n * spec.block_size], piece)
             s = dialer.sender(addr)
             h = s.send(TransferMeta(piece, cfg["request_id"], tuple(keys)), _layer_views(part))
             dialer.keep(addr, s)
@@ -121,11 +120,10 @@ def _layer_views(part: np.ndarray) -> Callable[[int], list[memoryview]]:
 def _decode(conn: Connection, cfg: dict[str, Any], engine: Any, secret: bytes) -> dict[str, Any]:
     from kvport.codec.envelope import stored_bytes
     from kvport.engines.hf import Lifetime, StoreBlocks
-    from kvport.keys import KeyContext, chain_keys
     from kvport.store import TieredStore, TierPolicy
     from kvport.tiers import HostTier
     from kvport.transfer.handoff import HandoffListener
-    from kvport.transfer.reshard import Assemblies
+    from kvport.transfer.reshard import Assemblies, piece_keys
 
     spec = engine.spec
     prompt = np.asarray(cfg["prompt"], dtype=np.int64)
@@ -143,7 +141,7 @@ def _decode(conn: Connection, cfg: dict[str, Any], engine: Any, secret: bytes) -
         blocks = StoreBlocks(store, spec)
         try:
             asm = asms.take(cfg["request_id"], float(cfg["timeout_s"]),
-                            keys_for=lambda ps: chain_keys(head, KeyContext(ps.block_size, ps.fingerprint)))
+                            keys_for=lambda ps: piece_keys(head, ps))
             blocks.write(engine.keys(head), torch.from_numpy(asm.blocks), Lifetime.REQUEST)
             wire = asm.wire_bytes
         except KVPortError as exc:  # the group recomputes what this rank lacks: same answer, no KV reuse

@@ -44,7 +44,7 @@ from kvport.deadline import current as current_deadline
 from kvport.engines.hf.layout import BlockLayout, cache_layers
 from kvport.engines.hf.port import BlockStore, Lifetime
 from kvport.errors import EngineError, KVPortError
-from kvport.keys import BlockKey, KeyContext, as_token_array, chain_keys
+from kvport.keys import BlockKey, KeyContext, as_token_array, chain_keys, head_keys
 from kvport.planner import Action, Cached, LinkKind, Planner, Request
 from kvport.spec import DType, KVSpec, from_hf_config
 
@@ -146,9 +146,10 @@ class HFEngine:
         self.layout = BlockLayout(spec)
         if next(model.parameters()).dtype != self.layout.dtype:
             raise EngineError(f"model dtype {next(model.parameters()).dtype} != spec dtype {spec.dtype.value}")
-        self.key_ctx = key_ctx or KeyContext(block_size=spec.block_size, spec_fingerprint=spec.fingerprint)
-        if self.key_ctx.block_size != spec.block_size or self.key_ctx.spec_fingerprint != spec.fingerprint:
-            raise EngineError("key context does not match the spec (block size or fingerprint)")
+        # keys chain from the model at TP width 1; a rank's blocks are then keyed by its heads (keys.head_keys)
+        self.key_ctx = key_ctx or KeyContext(block_size=spec.block_size, spec_fingerprint=spec.whole.fingerprint)
+        if self.key_ctx.block_size != spec.block_size or self.key_ctx.spec_fingerprint != spec.whole.fingerprint:
+            raise EngineError("key context does not match the spec (block size, or the fingerprint of spec.whole)")
         if eos_token_ids is None:
             eos = getattr(model.generation_config, "eos_token_id", None) or getattr(cfg, "eos_token_id", None)
             eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -184,7 +185,9 @@ class HFEngine:
 
     # ------------------------------------------------------------------ pieces
     def keys(self, tokens: Sequence[int] | np.ndarray) -> list[BlockKey]:
-        return chain_keys(tokens, self.key_ctx)
+        """The blocks' keys of this rank's heads (every head at TP width 1)."""
+        return head_keys(chain_keys(tokens, self.key_ctx), *self.spec.head_range, self.spec.num_kv_heads,
+                         self.key_ctx.algo)
 
     def _forward(self, ids: torch.Tensor, cache: Any, logprobs: list[float] | None = None) -> int:
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)

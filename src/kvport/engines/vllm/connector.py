@@ -62,6 +62,12 @@ blocks in ``wait_for_save``, after the forward of the step that computed them, w
 layer of those blocks is final; ``save_kv_layer`` sends a streamed hand-off's layer as soon as the
 forward computed it (a view of the paged KV, no copy), and does nothing else.
 
+Tensor parallelism: every rank saves and loads its own KV heads, under keys of their own
+(:class:`~.plan.RankKeys`: the chain of the model at width 1, keyed for the rank's heads); the
+scheduler counts a block as held only when every rank's is, and a worker whose blocks are missing
+or refused reports them as load errors (vLLM recomputes them on every rank). A block saved at
+another TP width is another key: never found, recomputed. Streamed hand-offs stay TP 1 (one inbox).
+
 Compatibility: every key chains from the engine's KVSpec fingerprint (model config, weights,
 dtype, block size, layout), so KV of another model or revision is never found, never loaded; and
 every stored block carries its envelope (identity, key, one part per layer with its xxh3), checked
@@ -108,7 +114,7 @@ from .config import ConnectorConfig
 from .identity import check_expected, engine_spec
 from .paged import PagedKV, choose_layout
 from .params import HandoffAnswer, HandoffAsk, new_stream_id
-from .plan import BlockCopy, HandOff, ScheduledRequest, StepPlan, StepPlanner
+from .plan import BlockCopy, HandOff, RankKeys, ScheduledRequest, StepPlan, StepPlanner
 from .spin import limit_idle_spin
 from .stream import STREAM_OUTCOMES, Inbox, InboxServer, StreamOut
 from .worker import SECONDS, AsyncLoads, BlockMover, WorkerStats
@@ -157,6 +163,15 @@ def open_connector_store(cfg: ConnectorConfig, spec: KVSpec) -> OpenedStore:
         # may rescan (one stat of the folder when nothing changed)
         disk_refresh_s=0.0,
         server_write=write if server is not None and lower else None))
+
+
+def _tp_rank(role: KVConnectorRole) -> int:
+    """This worker's tensor-parallel rank (the scheduler plans for every rank: 0)."""
+    if role != KVConnectorRole.WORKER:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
 
 
 def _remote_params(request: Any) -> dict[str, Any]:
@@ -230,10 +245,15 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.cfg = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         mc = vllm_config.model_config
+        tp = int(vllm_config.parallel_config.tensor_parallel_size)
         self.spec: KVSpec = engine_spec(
             str(mc.model), dtype=str(mc.dtype), block_size=int(vllm_config.cache_config.block_size),
-            tp_size=int(vllm_config.parallel_config.tensor_parallel_size), revision=self.cfg.model_revision)
-        check_expected(self.spec, self.cfg.expect_spec)
+            tp_size=tp, tp_rank=_tp_rank(role) if tp > 1 else 0, revision=self.cfg.model_revision)
+        check_expected(self.spec.for_rank(0, tp), self.cfg.expect_spec)  # the engine's spec, as rank 0 names it
+        if tp > 1 and (self.cfg.pd_inbox is not None or self.cfg.pd_destinations):
+            raise EngineError(f"tensor_parallel_size {tp}: streamed hand-offs (kvport_pd_inbox, "
+                              "kvport_pd_destinations) take one inbox per rank, not supported yet; hand off "
+                              "through the shared tier (kvport_server) instead")
         if self.cfg.idle_spin_s is not None:
             limit_idle_spin(self.cfg.idle_spin_s)
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -242,11 +262,15 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         opened = open_connector_store(self.cfg, self.spec)
         self.store = opened.store
         self.shared = opened.server  # the kvport server's tier: hand-offs are leased there
-        self.key_context = KeyContext(block_size=self.spec.block_size, spec_fingerprint=self.spec.fingerprint,
-                                      tenant_salt=self.cfg.tenant_salt)
-        self.planner = StepPlanner(self.key_context, self.store.contains,
-                                   prefix=lambda keys: self.store.lookup(keys).prefix_blocks,
-                                   contains_many=self.store.contains_many)
+        # keys chain from the model at TP width 1; each rank stores its heads under their own keys
+        # (keys.head_keys): the scheduler's plan names the chain, a worker maps it to its rank's keys
+        self.key_context = KeyContext(block_size=self.spec.block_size,
+                                      spec_fingerprint=self.spec.whole.fingerprint, tenant_salt=self.cfg.tenant_salt)
+        self.ranks = RankKeys(self.spec, self.key_context)
+        self.planner = StepPlanner(self.key_context, self.ranks.contains(self.store),
+                                   prefix=self.ranks.prefix(self.store),
+                                   contains_many=self.ranks.contains_many(self.store))
+        self._mapped: tuple[StepPlan, StepPlan] | None = None  # worker: the step's plan, in this rank's keys
         # the cost planner (transfer vs recompute) gates lookups when a calibration profile is configured
         self.cost_planner = None if self.cfg.profile_path is None else Planner(Profile.load(self.cfg.profile_path))
         self.mover: BlockMover | None = None
@@ -445,10 +469,16 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.async_loads = AsyncLoads(self.spec, self.store, paged, staging, self.cfg.load_deadline, self.inbox)
 
     def _plan(self) -> StepPlan | None:
+        """The step's plan in this rank's keys (the scheduler's chain keys at TP width 1)."""
         if self.mover is None or not self.has_connector_metadata():
             return None
         meta = self._get_connector_metadata()
-        return meta.plan if isinstance(meta, KVPortMetadata) else None
+        plan = meta.plan if isinstance(meta, KVPortMetadata) else None
+        if plan is None or self.spec.tp_size == 1:
+            return plan
+        if self._mapped is None or self._mapped[0] is not plan:
+            self._mapped = (plan, self.ranks.plan(plan))
+        return self._mapped[1]
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Before the step's forward (vLLM calls ``start_load_kv`` after it when the step has no

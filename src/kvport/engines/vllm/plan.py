@@ -24,10 +24,12 @@ Per request, in block units of ``B`` tokens (``keys[i]`` names prompt tokens ``[
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kvport.errors import EngineError
-from kvport.keys import BlockKey, KeyContext, chain_keys
+from kvport.keys import BlockKey, KeyContext, chain_keys, head_keys
+from kvport.spec import KVSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +111,52 @@ class ScheduledRequest:
     scheduled_tokens: int
     block_ids: Sequence[int] | None  # new block ids this step; all of them when ``replace``
     replace: bool
+
+
+class RankKeys:
+    """The keys of one tensor-parallel rank's blocks: the scheduler plans over the chain of the model
+    at TP width 1 (``spec.whole``); each rank stores its own heads under :func:`kvport.keys.head_keys`
+    of those keys. At width 1 every mapping is the identity (and costs nothing)."""
+
+    def __init__(self, spec: KVSpec, ctx: KeyContext) -> None:
+        self.spec, self.algo = spec, ctx.algo
+        self.heads = [spec.for_rank(r, spec.tp_size).head_range for r in range(spec.tp_size)]
+
+    def of(self, keys: Sequence[BlockKey], rank: int | None = None) -> tuple[BlockKey, ...]:
+        """``keys`` as rank ``rank`` (default: this spec's) stores them."""
+        lo, hi = self.heads[self.spec.tp_rank if rank is None else rank]
+        return tuple(head_keys(keys, lo, hi, self.spec.num_kv_heads, self.algo))
+
+    def _each(self, keys: Sequence[BlockKey]) -> list[tuple[BlockKey, ...]]:
+        return [self.of(keys, r) for r in range(self.spec.tp_size)]
+
+    def contains(self, store: Any) -> Callable[[BlockKey], bool]:
+        """The scheduler's ``contains``: a block is held when every rank's is."""
+        if self.spec.tp_size == 1:
+            return store.contains  # type: ignore[no-any-return]
+        return lambda key: all(store.contains(ks[0]) for ks in self._each([key]))
+
+    def contains_many(self, store: Any) -> Callable[[Sequence[BlockKey]], list[bool]]:
+        if self.spec.tp_size == 1:
+            return store.contains_many  # type: ignore[no-any-return]
+        return lambda keys: [all(c) for c in zip(*(store.contains_many(ks) for ks in self._each(keys)), strict=True)]
+
+    def prefix(self, store: Any) -> Callable[[Sequence[BlockKey]], int]:
+        """The scheduler's lookup: the leading blocks every rank holds (the shortest rank's prefix)."""
+        if self.spec.tp_size == 1:
+            return lambda keys: int(store.lookup(keys).prefix_blocks)
+        return lambda keys: min(store.lookup(ks).prefix_blocks for ks in self._each(keys))
+
+    def plan(self, plan: StepPlan) -> StepPlan:
+        """The step's plan in this rank's keys (loads, saves, hand-offs, their parents)."""
+        def copy(c: BlockCopy) -> BlockCopy:
+            parent = None if c.parent is None else self.of([c.parent])[0]
+            return replace(c, keys=self.of(c.keys), parent=parent)
+
+        return replace(plan, loads=tuple(map(copy, plan.loads)), saves=tuple(map(copy, plan.saves)),
+                       async_loads=tuple(map(copy, plan.async_loads)),
+                       handoffs=tuple(replace(h, keys=self.of(h.keys)) for h in plan.handoffs),
+                       streams=tuple(replace(sc, copy=copy(sc.copy)) for sc in plan.streams))
 
 
 class StepPlanner:

@@ -117,3 +117,13 @@ def test_stream_ids() -> None:
     sid = new_stream_id()
     assert is_stream_id(sid) and len(sid) == 32 and sid != new_stream_id()
     assert not is_stream_id(sid.upper()) and not is_stream_id(None) and not is_stream_id(sid + "a")
+
+
+def test_an_ask_names_one_inbox_per_decode_rank() -> None:
+    three = "10.0.0.2:9300,10.0.0.2:9301,shm:kvport-inbox-2"
+    ask = HandoffAsk.parse({"do_remote_decode": True, DEST_KEY: three})
+    assert ask == HandoffAsk(three) and ask.dests == ("10.0.0.2:9300", "10.0.0.2:9301", "shm:kvport-inbox-2")
+    assert HandoffAsk("h:1").dests == ("h:1",) and HandoffAsk().dests == ()
+    for bad in ("h:1,", ",h:1", "h:1,,h:2", "h:1,nohost", ",".join(["h:1"] * 65)):
+        with pytest.raises(HandoffUnreadableError, match="one per rank"):
+            HandoffAsk.parse({"do_remote_decode": True, DEST_KEY: bad})

@@ -170,3 +170,48 @@ def test_a_hand_off_goes_to_the_next_step_once_with_the_prompt_keys_only() -> No
     assert [(h.req_id, h.keys, h.lease_s) for h in plan.handoffs] == [("r", tuple(keys[:2]), 7.5)]
     assert pl.step([]).handoffs == ()  # given to the worker once
     assert pl.hand_off("never-seen", 1.0) == ()  # a request the planner never saw: nothing to lease
+
+
+class _Store:
+    """What the scheduler asks of the store: which keys it holds."""
+
+    def __init__(self, keys: set[bytes]) -> None:
+        self.keys = keys
+
+    def contains(self, key: bytes) -> bool:
+        return key in self.keys
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        return [k in self.keys for k in keys]
+
+    def lookup(self, keys: list[bytes]) -> object:
+        n = next((i for i, k in enumerate(keys) if k not in self.keys), len(keys))
+        return type("Hit", (), {"prefix_blocks": n})()
+
+
+def test_at_tp3_a_block_is_held_only_when_every_rank_holds_its_heads_and_each_rank_plans_in_its_keys() -> None:
+    from kvport.engines.vllm.plan import RankKeys, StepPlan, StreamCopy
+    from kvport.keys import head_keys
+
+    spec = SPEC.with_(num_kv_heads=3, tp_size=3)
+    ctx = KeyContext(block_size=B, spec_fingerprint=spec.whole.fingerprint)
+    chain = chain_keys(prompt(5 * B), ctx)
+    ranks = [RankKeys(spec.for_rank(r, 3), ctx) for r in range(3)]
+    per_rank = [head_keys(chain, r, r + 1, 3) for r in range(3)]
+    assert len({k for ks in per_rank for k in ks} | set(chain)) == 4 * len(chain)  # every rank's keys its own
+    assert ranks[1].of(chain) == tuple(per_rank[1])
+    # ranks 0 and 2 hold 4 blocks, rank 1 only 2: the scheduler sees 2, and block 3 as not held
+    store = _Store({*per_rank[0][:4], *per_rank[1][:2], *per_rank[2][:4]})
+    assert ranks[0].prefix(store)(chain) == 2
+    assert ranks[0].contains_many(store)(chain) == [True, True, False, False, False]
+    assert ranks[0].contains(store)(chain[1]) and not ranks[0].contains(store)(chain[3])
+    # a worker's plan: its keys, its parent, its inbox among the decode ranks'
+    copy = BlockCopy("r", tuple(chain[2:4]), (7, 8), parent=chain[1])
+    sc = StreamCopy("s", "h:1,h:2,h:3", copy, 2)
+    plan = ranks[2].plan(StepPlan(loads=(copy,), saves=(copy,), streams=(sc,)))
+    assert plan.loads[0].keys == plan.saves[0].keys == tuple(per_rank[2][2:4])
+    assert plan.loads[0].parent == per_rank[2][1] and plan.loads[0].block_ids == (7, 8)
+    assert plan.streams[0].dest == "h:3" and plan.streams[0].copy.keys == tuple(per_rank[2][2:4])
+    # at TP 1 the keys are the chain itself
+    one = RankKeys(SPEC, CTX)
+    assert one.of(chain) == tuple(chain) and one.plan(StepPlan(loads=(copy,))).loads == (copy,)

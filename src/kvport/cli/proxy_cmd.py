@@ -24,9 +24,10 @@ from kvport.protocol.net import is_loopback
               help="a prefill engine (vllm serve with kv_role kv_producer), e.g. http://127.0.0.1:8100; repeatable")
 @click.option("--decode", "decode", multiple=True, required=True, metavar="URL",
               help="a decode engine (vllm serve with kv_role kv_consumer); repeatable")
-@click.option("--decode-inbox", "decode_inbox", multiple=True, metavar="HOST:PORT",
-              help="a decode engine's kvport_pd_inbox, one per --decode in the same order: prefill engines "
-                   "stream the KV there layer by layer during the prefill; repeatable")
+@click.option("--decode-inbox", "decode_inbox", multiple=True, metavar="HOST:PORT[,HOST:PORT...]",
+              help="a decode engine's kvport_pd_inbox, one per --decode in the same order (at tensor parallel "
+                   "size N: its N rank inboxes, comma-separated): prefill engines stream the KV there layer by "
+                   "layer during the prefill; repeatable")
 @click.option("--prefill-timeout", default=300.0, show_default=True, type=float, callback=as_seconds,
               help="seconds a prefill may take before the decode engine computes the prompt itself")
 @click.option("--decode-timeout", default=600.0, show_default=True, type=float, callback=as_seconds,

@@ -95,9 +95,11 @@ def nixl_config() -> dict[str, Any]:
 class EngineServer:
     def __init__(self, model_dir: Path, port: int, *, role: str | None, extra: Mapping[str, Any] | None = None,
                  log: Path, max_model_len: int = 4096, block_size: int = 32,
-                 env: Mapping[str, str] | None = None, kv_config: Mapping[str, Any] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, kv_config: Mapping[str, Any] | None = None,
+                 tensor_parallel_size: int = 1) -> None:
         """``role`` None: a plain engine without a connector (the colocated reference), or the connector
-        ``kv_config`` names (another one: the peer)."""
+        ``kv_config`` names (another one: the peer). ``tensor_parallel_size`` > 1: one worker process
+        per rank, their threads unbound (vLLM's CPU auto-binding wants a NUMA node per rank)."""
         self.model_dir, self.port, self.role, self.log = model_dir, port, role, log
         self.url = f"http://127.0.0.1:{port}"
         self.argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
@@ -105,6 +107,9 @@ class EngineServer:
                      "--dtype", "float32", "--enforce-eager", "--block-size", str(block_size),
                      "--max-model-len", str(max_model_len), "--enable-prompt-tokens-details",
                      "--disable-uvicorn-access-log", "--seed", "0"]
+        if tensor_parallel_size > 1:
+            self.argv += ["--tensor-parallel-size", str(tensor_parallel_size), "--distributed-executor-backend", "mp"]
+            env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", **(env or {})}
         config = connector_config(role, extra or {}) if role is not None else kv_config
         if config is not None:
             self.argv += ["--kv-transfer-config", json.dumps(config)]

@@ -53,7 +53,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvport import metrics
 from kvport.config import MIN_TOKEN_CHARS
-from kvport.engines.vllm.params import HandoffAsk, parse_dest
+from kvport.engines.vllm.params import HandoffAsk, parse_dests
 from kvport.errors import ConfigError
 from kvport.extras import require
 from kvport.protocol.net import is_loopback
@@ -91,7 +91,8 @@ class ProxyConfig:
     decode_timeout_s: float = 600.0
     header_timeout_s: float = 10.0  # a client sends a request's head within this (slowloris before auth)
     body_timeout_s: float = 30.0  # and its body within this
-    # the decode engines' inboxes (kvport_pd_inbox, HOST:PORT or shm:NAME), in the order of ``decode``: the prefill
+    # the decode engines' inboxes (kvport_pd_inbox, HOST:PORT or shm:NAME; at TP > 1 one per rank, comma-separated,
+    # passed on as they are: prefill rank r streams to the r-th), in the order of ``decode``: the prefill
     # engine streams the prompt's KV there during the prefill; empty: hand-offs go through the store
     decode_inbox: Sequence[str] = ()
 
@@ -105,8 +106,9 @@ class ProxyConfig:
             raise ConfigError(f"{len(self.decode_inbox)} decode inboxes for {len(self.decode)} decode engines: "
                               "give one per engine, in the same order")
         for addr in self.decode_inbox:
-            if parse_dest(addr) is None:
-                raise ConfigError(f"a decode inbox is HOST:PORT or shm:NAME, got {addr!r}")
+            if parse_dests(addr) is None:
+                raise ConfigError(f"a decode inbox is HOST:PORT or shm:NAME (one per rank, comma-separated), "
+                                  f"got {addr!r}")
         for name in ("prefill_timeout_s", "decode_timeout_s", "header_timeout_s", "body_timeout_s"):
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):

@@ -25,7 +25,9 @@ Keys (all optional except a store location: a disk folder, a kvport server, or b
                            (kvport.engines.vllm.stream): HOST:PORT (TCP) or shm:NAME
                            (shared memory, producers on this host). Every connection
                            authenticates with KVPORT_PD_SECRET, signed for the
-                           inbox's address: an inbox needs the secret             (none)
+                           inbox's address: an inbox needs the secret. At tensor
+                           parallel size N: N addresses (a list, or comma-separated),
+                           rank r listening on the r-th                           (none)
     kvport_pd_inbox_names  further addresses producers dial this inbox by (its
                            public HOST:PORT when it binds 0.0.0.0)                   ([])
     kvport_pd_destinations a producer streams only to these decode inboxes (the
@@ -70,7 +72,7 @@ from kvport.errors import ConfigError, UnitError
 from kvport.spec import KVSpec
 from kvport.units import parse_size
 
-from .params import parse_dest
+from .params import parse_dest, parse_dests
 
 _PREFIX = "kvport_"
 _KNOWN = frozenset({
@@ -103,7 +105,7 @@ class ConnectorConfig:
     pd_lease_s: float = 30.0
     async_handoff: bool = True
     idle_spin_s: float | None = None  # None: vLLM's own busy-poll window (1 s)
-    pd_inbox: str | None = None  # decode engine: where streamed hand-offs arrive (HOST:PORT or shm:NAME)
+    pd_inbox: str | None = None  # decode engine: where streamed hand-offs arrive (HOST:PORT or shm:NAME; one per rank)
     pd_inbox_tokens: int = DEFAULT_INBOX_TOKENS
     pd_stream: bool = True
     pd_inbox_names: tuple[str, ...] = ()  # decode engine: other addresses its inbox is dialled by
@@ -147,8 +149,11 @@ class ConnectorConfig:
         if spin is not None and (isinstance(spin, bool) or not isinstance(spin, int | float) or not 0 <= spin <= 1000):
             raise ConfigError(f"kvport_idle_spin_ms must be milliseconds in [0, 1000], got {spin!r}")
         inbox = cfg.get("kvport_pd_inbox")
-        if inbox is not None and parse_dest(inbox) is None:
-            raise ConfigError(f"kvport_pd_inbox must be HOST:PORT or shm:NAME, got {inbox!r}")
+        if isinstance(inbox, list | tuple) and all(isinstance(a, str) for a in inbox):
+            inbox = ",".join(inbox)  # one per tensor-parallel rank
+        if inbox is not None and parse_dests(inbox) is None:
+            raise ConfigError(f"kvport_pd_inbox must be HOST:PORT or shm:NAME (a list of them, one per tensor "
+                              f"parallel rank), got {inbox!r}")
         inbox_tokens = cfg.get("kvport_pd_inbox_tokens", DEFAULT_INBOX_TOKENS)
         if not isinstance(inbox_tokens, int) or isinstance(inbox_tokens, bool) or not 0 < inbox_tokens <= 1 << 24:
             raise ConfigError(f"kvport_pd_inbox_tokens must be a positive integer, got {inbox_tokens!r}")

@@ -66,7 +66,9 @@ Tensor parallelism: every rank saves and loads its own KV heads, under keys of t
 (:class:`~.plan.RankKeys`: the chain of the model at width 1, keyed for the rank's heads); the
 scheduler counts a block as held only when every rank's is, and a worker whose blocks are missing
 or refused reports them as load errors (vLLM recomputes them on every rank). A block saved at
-another TP width is another key: never found, recomputed. Streamed hand-offs stay TP 1 (one inbox).
+another TP width is another key: never found, recomputed. A streamed hand-off names one inbox
+per decode rank (``kvport_dest`` "A,B,C", ``kvport_pd_inbox`` a list): producer rank r streams its
+heads to decode rank r (the same width on both sides; another width is refused at the spec check).
 
 Compatibility: every key chains from the engine's KVSpec fingerprint (model config, weights,
 dtype, block size, layout), so KV of another model or revision is never found, never loaded; and
@@ -113,7 +115,7 @@ from kvport.transfer.handoff import engine_owner
 from .config import ConnectorConfig
 from .identity import check_expected, engine_spec
 from .paged import PagedKV, choose_layout
-from .params import HandoffAnswer, HandoffAsk, new_stream_id
+from .params import HandoffAnswer, HandoffAsk, new_stream_id, parse_dests
 from .plan import BlockCopy, HandOff, RankKeys, ScheduledRequest, StepPlan, StepPlanner
 from .spin import limit_idle_spin
 from .stream import STREAM_OUTCOMES, Inbox, InboxServer, StreamOut
@@ -250,10 +252,11 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
             str(mc.model), dtype=str(mc.dtype), block_size=int(vllm_config.cache_config.block_size),
             tp_size=tp, tp_rank=_tp_rank(role) if tp > 1 else 0, revision=self.cfg.model_revision)
         check_expected(self.spec.for_rank(0, tp), self.cfg.expect_spec)  # the engine's spec, as rank 0 names it
-        if tp > 1 and (self.cfg.pd_inbox is not None or self.cfg.pd_destinations):
-            raise EngineError(f"tensor_parallel_size {tp}: streamed hand-offs (kvport_pd_inbox, "
-                              "kvport_pd_destinations) take one inbox per rank, not supported yet; hand off "
-                              "through the shared tier (kvport_server) instead")
+        inboxes = () if self.cfg.pd_inbox is None else parse_dests(self.cfg.pd_inbox) or ()
+        if inboxes and len(inboxes) != tp:
+            raise EngineError(f"kvport_pd_inbox names {len(inboxes)} inboxes for tensor_parallel_size {tp}: "
+                              "one per rank")
+        self.my_inbox = inboxes[self.spec.tp_rank] if inboxes else None  # worker side: this rank's
         if self.cfg.idle_spin_s is not None:
             limit_idle_spin(self.cfg.idle_spin_s)
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -308,8 +311,9 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                 probe=stream is None)
         ask = _ask_of(handed) if self.produces and self.cfg.pd_stream else None
         dest = None if ask is None else ask.dest
-        if dest is not None and dest not in self.cfg.pd_destinations:
-            # only the inboxes this deployment configured: a request never picks where its KV goes
+        dests = () if ask is None else ask.dests
+        if dest is not None and (len(dests) != self.spec.tp_size or not self.cfg.pd_destinations.issuperset(dests)):
+            # only the inboxes this deployment configured, one per rank: a request never picks where its KV goes
             self._pd_refused_dest(dest)
         elif dest is not None and self.planner.streamed(request.request_id) is None:
             self.planner.stream_to(request.request_id, new_stream_id(), dest)
@@ -452,11 +456,11 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.mover = BlockMover(self.spec, self.store, paged, staging, self.cfg.load_deadline)
         token = Settings.from_env().pd_secret  # the deployment's hand-off secret: every inbox link authenticates
         secret = token.encode() if token else None
-        if self.consumes and self.cfg.pd_inbox is not None:
+        if self.consumes and self.my_inbox is not None:
             blocks = max(1, -(-self.cfg.pd_inbox_tokens // self.spec.block_size))
             self.inbox = Inbox(self.spec, blocks, self.mover.format.header_len, ttl_s=self.cfg.pd_lease_s,
                                ledger=self.kv_ledger, owner=self.kv_owner)
-            self.inbox_server = InboxServer(self.inbox, self.cfg.pd_inbox, secret, self.cfg.pd_inbox_names)
+            self.inbox_server = InboxServer(self.inbox, self.my_inbox, secret, self.cfg.pd_inbox_names)
             log.info("kvport: decode engine's inbox on %s (%d blocks)", self.inbox_server.address, blocks)
         if self.produces and self.cfg.pd_stream and self.cfg.pd_destinations:
             if secret is None:
@@ -485,7 +489,7 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         synchronous load): the step's streamed hand-offs begin here, so each layer goes out as the
         forward computes it."""
         super().bind_connector_metadata(connector_metadata)
-        plan = connector_metadata.plan if isinstance(connector_metadata, KVPortMetadata) else None
+        plan = self._plan()  # in this rank's keys and inbox
         if plan is not None and plan.discards and self.inbox is not None:
             for stream in plan.discards:
                 self.inbox.discard(stream)

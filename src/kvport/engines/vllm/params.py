@@ -41,6 +41,21 @@ MAX_LEASE_S = 7 * 86400.0
 _STREAM_ID = re.compile(r"[0-9a-f]{32}")
 
 
+MAX_RANKS = 64  # decode ranks a hand-off names inboxes for
+
+
+def parse_dests(value: object) -> tuple[str, ...] | None:
+    """The inboxes a ``kvport_dest`` (or ``kvport_pd_inbox``) names, one per tensor-parallel rank of the
+    decode engine, comma-separated (``HOST:PORT`` or ``shm:NAME`` each; one at TP 1), or None when it
+    is not that."""
+    if not isinstance(value, str) or not value or len(value) > MAX_RANKS * 301:
+        return None
+    parts = tuple(value.split(","))
+    if len(parts) > MAX_RANKS or any(parse_dest(p) is None for p in parts):
+        return None
+    return parts
+
+
 def new_stream_id() -> str:
     """A fresh, single-use stream id: 32 lowercase hex digits."""
     return secrets.token_hex(16)
@@ -53,13 +68,20 @@ def is_stream_id(value: object) -> bool:
 @dataclass(frozen=True, slots=True)
 class HandoffAsk:
     """The proxy -> prefill engine ask: compute the prompt and hand its KV off, streamed to ``dest``
-    (a decode engine's inbox) when given, else through the store."""
+    (a decode engine's inbox; at TP > 1 one per rank, comma-separated: :func:`parse_dests`) when
+    given, else through the store."""
 
     dest: str | None = None
 
     def __post_init__(self) -> None:
-        if self.dest is not None and parse_dest(self.dest) is None:
-            raise HandoffUnreadableError(f"{DEST_KEY} is HOST:PORT or shm:NAME, got {self.dest[:300]!r}")
+        if self.dest is not None and parse_dests(self.dest) is None:
+            raise HandoffUnreadableError(f"{DEST_KEY} is HOST:PORT or shm:NAME (one per rank, comma-separated), "
+                                         f"got {self.dest[:300]!r}")
+
+    @property
+    def dests(self) -> tuple[str, ...]:
+        """The inboxes, in decode rank order (none: through the store)."""
+        return () if self.dest is None else parse_dests(self.dest) or ()
 
     def to_params(self) -> dict[str, Any]:
         out: dict[str, Any] = {"do_remote_decode": True}
@@ -77,9 +99,10 @@ class HandoffAsk:
         dest = params.get(DEST_KEY)
         if dest is None:
             return cls()
-        if parse_dest(dest) is None:
+        if parse_dests(dest) is None:
             shown = dest[:64] if isinstance(dest, str) else type(dest).__name__
-            raise HandoffUnreadableError(f"{DEST_KEY} is HOST:PORT or shm:NAME, got {shown!r}")
+            raise HandoffUnreadableError(f"{DEST_KEY} is HOST:PORT or shm:NAME (one per rank, comma-separated), "
+                                         f"got {shown!r}")
         return cls(dest)
 
 
@@ -180,4 +203,4 @@ def _stream(kv: dict[str, Any]) -> str | None:
 
 
 __all__ = ["DEST_KEY", "MAX_TOKENS", "PD_KEY", "PD_VERSION", "HandoffAnswer", "HandoffAsk", "is_stream_id",
-           "new_stream_id", "parse_dest"]
+           "new_stream_id", "parse_dest", "parse_dests"]

@@ -31,6 +31,8 @@ from kvport.errors import EngineError
 from kvport.keys import BlockKey, KeyContext, chain_keys, head_keys
 from kvport.spec import KVSpec
 
+from .params import parse_dests
+
 
 @dataclass(frozen=True, slots=True)
 class BlockCopy:
@@ -156,7 +158,13 @@ class RankKeys:
         return replace(plan, loads=tuple(map(copy, plan.loads)), saves=tuple(map(copy, plan.saves)),
                        async_loads=tuple(map(copy, plan.async_loads)),
                        handoffs=tuple(replace(h, keys=self.of(h.keys)) for h in plan.handoffs),
-                       streams=tuple(replace(sc, copy=copy(sc.copy)) for sc in plan.streams))
+                       streams=tuple(replace(sc, dest=self.inbox(sc.dest), copy=copy(sc.copy)) for sc in plan.streams))
+
+    def inbox(self, dest: str) -> str:
+        """This rank's inbox among a hand-off's (one per decode rank, comma-separated; the scheduler
+        streams only to as many as there are ranks)."""
+        dests = parse_dests(dest) or ()
+        return dests[self.spec.tp_rank] if len(dests) == self.spec.tp_size else dest
 
 
 class StepPlanner:

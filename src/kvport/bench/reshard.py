@@ -12,6 +12,8 @@ prompt without kvport (its tokens, its time to first token). Results per case:
     cached_tokens     prompt tokens every decode rank loaded (the rest it computed)
     wire_bytes        KV payload the prefill ranks sent (sum)    wire_vs_kv  wire_bytes / kv_bytes: 1.0
     send_s / ttft_s   the slowest prefill rank's send; the slowest decode rank's time to first token
+    decode_ttft_vs_one_process   that decode TTFT (the prefix loaded) over the one process's TTFT
+                      (the whole prompt computed); the prefill ranks' time is not in it
 
 ``--set cases=3-1,1-3`` picks cases; ``tokens`` (prompt length), ``max_new_tokens``.
 """
@@ -111,6 +113,10 @@ def run(opts: SuiteOptions) -> Report:
     del one
     limits = {"kv_bytes": kv_bytes, "one_process_ttft_s": round(ref.ttft_s, 4),
               "one_process_tokens": list(ref.tokens)}
+    cond = conditions(model=spec.model_id, dtype=spec.dtype.value, prompt_tokens=len(prompt), blocks=n_blocks,
+                      block_size=spec.block_size, kv_heads=spec.num_kv_heads, max_new_tokens=max_new,
+                      transport="tcp loopback (the hand-off, authenticated)", group="gloo (transformers tp_plan)",
+                      threads_per_rank=1, cases=[f"{p}-{d}" for p, d in cases])
     cfg = {"model_dir": str(settings.model_dir), "prompt": prompt, "max_new_tokens": max_new}
     secret = secrets.token_bytes(32)
     results: dict[str, Any] = {}
@@ -118,12 +124,10 @@ def run(opts: SuiteOptions) -> Report:
         for p, d in cases:
             t0 = time.perf_counter()
             got = _case(p, d, cfg, timeout_s=120.0)
-            results[f"tp{p}_to_tp{d}"] = _summary(got, ref.tokens, kv_bytes, time.perf_counter() - t0)
+            row = _summary(got, ref.tokens, kv_bytes, time.perf_counter() - t0)
+            row["decode_ttft_vs_one_process"] = round(row["ttft_s"] / ref.ttft_s, 4) if ref.ttft_s > 0 else None
+            results[f"tp{p}_to_tp{d}"] = row
     results["all_tokens_equal"] = all(r["tokens_equal"] for r in results.values() if isinstance(r, dict))
-    cond = conditions(model=spec.model_id, dtype=spec.dtype.value, prompt_tokens=len(prompt), blocks=n_blocks,
-                      block_size=spec.block_size, kv_heads=spec.num_kv_heads, max_new_tokens=max_new,
-                      transport="tcp loopback (the hand-off, authenticated)", group="gloo (transformers tp_plan)",
-                      threads_per_rank=1, cases=[f"{p}-{d}" for p, d in cases])
     return finish(Report("reshard", cond, limits, results))
 
 

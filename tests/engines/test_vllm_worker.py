@@ -74,6 +74,24 @@ def test_blocks_saved_by_one_engine_load_into_other_block_ids_of_another(tmp_pat
     assert m.take_failed() == set() and m.stats.blocks_loaded == 5
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (the GPU check runs this)")
+def test_on_cuda_the_next_layer_is_copied_ahead_while_this_one_computes_and_equals_the_cpu_load(
+        tmp_path: Path) -> None:
+    src, keys, src_ids = saved_prefix(tmp_path, 5)
+    dst = {n: t.cuda() for n, t in engine_kv(12, seed=None).items()}
+    m = BlockMover(SPEC, store(tmp_path), PagedKV(dst, SPEC), 8)
+    dst_ids = [3, 7, 1, 10, 4]
+    m.begin_load([BlockCopy("b", tuple(keys), tuple(dst_ids))])
+    for i in range(SPEC.num_layers):
+        m.load_layer(i)
+        assert (i + 1 in m._ahead) == (i + 1 < SPEC.num_layers)  # queued on the side stream, not waited for
+    m.finish_load()  # every queued copy out of the pinned staging before it is reused
+    torch.cuda.synchronize()
+    for i in range(SPEC.num_layers):
+        assert torch.equal(layer(dst, i).cpu()[dst_ids], layer(src, i)[src_ids])
+    assert m.take_failed() == set()
+
+
 def test_a_layer_the_engine_never_waited_for_is_still_loaded_before_the_step_ends(tmp_path: Path) -> None:
     src, keys, src_ids = saved_prefix(tmp_path, 2)
     dst = engine_kv(4, seed=None)

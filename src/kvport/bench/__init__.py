@@ -49,7 +49,7 @@ SUITES: dict[str, Suite] = {
     "hash": _suite("hash"),
     "pd": _suite("pd", "answer_tokens", "chats", "keep", "overload_requests", "peer", "prompt_tokens", "prompts",
                  "shm", "stream", "turns"),
-    "reshard": _suite("reshard", "cases", "max_new_tokens", "tokens"),
+    "reshard": _suite("reshard", "cases", "drop", "max_new_tokens", "take_s", "tokens"),
     "planner": _suite("planner", "bandwidths_mbps", "factors", "lengths", "suffix", "threads", "trials"),
     "server": _suite("server", "capacity_bytes", "client_processes", "inflight_bytes", "io_threads",
                      "overload_factor", "steady_s", "windows"),

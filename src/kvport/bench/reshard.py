@@ -15,7 +15,9 @@ prompt without kvport (its tokens, its time to first token). Results per case:
     decode_ttft_vs_one_process   that decode TTFT (the prefix loaded) over the one process's TTFT
                       (the whole prompt computed); the prefill ranks' time is not in it
 
-``--set cases=3-1,1-3`` picks cases; ``tokens`` (prompt length), ``max_new_tokens``.
+``--set cases=3-1,1-3`` picks cases; ``tokens`` (prompt length), ``max_new_tokens``; ``drop=R``: prefill
+rank R sends nothing (a rank lost before its hand-off: each decode rank missing its heads waits
+``take_s`` seconds, then the group recomputes -- ``errors`` names the heads, the tokens still equal).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def _prompt(tokenizer: Any, tokens: int) -> list[int]:
     return ids[:tokens]
 
 
-def _case(p: int, d: int, cfg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+def _case(p: int, d: int, cfg: dict[str, Any], timeout_s: float, drop: int | None = None) -> dict[str, Any]:
     """Run one P -> D hand-off with real rank processes; the workers' answers."""
     rid = f"reshard-{p}-{d}-{secrets.token_hex(4)}"
     workers: list[Worker] = []
@@ -78,10 +80,12 @@ def _case(p: int, d: int, cfg: dict[str, Any], timeout_s: float) -> dict[str, An
         port = _free_port()
         pre = [Worker(f"prefill-{r}", tp_rank.main, {**cfg, "role": "prefill", "rank": r, "size": p,
                                                      "master_port": port, "request_id": rid, "destinations": addrs,
-                                                     "decode_size": d}) for r in range(p)]
+                                                     "decode_size": d, "drop": r == drop}) for r in range(p)]
         workers += pre
         for w in pre:
             w.ready(_START_S)
+        for w in dec:  # the request arrives: each decode rank's deadline starts now
+            w.send({"op": "go"})
         pres = [w.recv(timeout_s + 60) for w in pre]
         decs = [w.recv(timeout_s + 120) for w in dec]
     finally:
@@ -100,6 +104,8 @@ def run(opts: SuiteOptions) -> Report:
     tokens = int(opts.extra.get("tokens", 160 if opts.quick else 1024))
     max_new = int(opts.extra.get("max_new_tokens", 8 if opts.quick else 24))
     cases = _cases(str(opts.extra.get("cases", "3-1,1-3" if opts.quick else "1-1,3-1,1-3,3-3")))
+    take_s = float(opts.extra.get("take_s", 120.0))
+    drop = None if opts.extra.get("drop") is None else int(opts.extra["drop"])
     torch.set_num_threads(1)
     from transformers import AutoTokenizer
 
@@ -116,14 +122,15 @@ def run(opts: SuiteOptions) -> Report:
     cond = conditions(model=spec.model_id, dtype=spec.dtype.value, prompt_tokens=len(prompt), blocks=n_blocks,
                       block_size=spec.block_size, kv_heads=spec.num_kv_heads, max_new_tokens=max_new,
                       transport="tcp loopback (the hand-off, authenticated)", group="gloo (transformers tp_plan)",
-                      threads_per_rank=1, cases=[f"{p}-{d}" for p, d in cases])
+                      threads_per_rank=1, cases=[f"{p}-{d}" for p, d in cases], take_s=take_s,
+                      dropped_prefill_rank=drop)
     cfg = {"model_dir": str(settings.model_dir), "prompt": prompt, "max_new_tokens": max_new}
     secret = secrets.token_bytes(32)
     results: dict[str, Any] = {}
     with _env({tp_rank.SECRET_ENV: secret.hex()}):
         for p, d in cases:
             t0 = time.perf_counter()
-            got = _case(p, d, cfg, timeout_s=120.0)
+            got = _case(p, d, cfg, timeout_s=take_s, drop=drop)
             row = _summary(got, ref.tokens, kv_bytes, time.perf_counter() - t0)
             row["decode_ttft_vs_one_process"] = round(row["ttft_s"] / ref.ttft_s, 4) if ref.ttft_s > 0 else None
             results[f"tp{p}_to_tp{d}"] = row

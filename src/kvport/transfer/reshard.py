@@ -225,7 +225,9 @@ class Assemblies:
         end = time.monotonic() + timeout_s
         with self._cond:
             if not self._cond.wait_for(lambda: request_id in self._open, timeout_s):
-                raise ReshardError(f"request {request_id[:40]!r}: no piece arrived within {timeout_s:g} s")
+                lo, hi = self.spec.head_range
+                raise ReshardError(f"request {request_id[:40]!r}: heads [({lo}, {hi})] of [{lo}, {hi}) never "
+                                   f"arrived within {timeout_s:g} s (no piece came)")
             asm = self._open[request_id]
         try:
             asm.wait(max(0.0, end - time.monotonic()), keys_for)

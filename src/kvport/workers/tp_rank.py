@@ -5,14 +5,15 @@ Every rank is a process of a gloo process group of its side's width (transformer
 rank computes, and caches, its KV heads only). ``cfg``: ``role`` (prefill | decode), ``rank``,
 ``size``, ``master_port`` (its side's group), ``model_dir``, ``prompt`` (token ids), ``request_id``,
 ``max_new_tokens``; a decode rank also ``timeout_s``, a prefill rank ``destinations`` (every decode
-rank's hand-off address, in rank order) and ``decode_size``. The hand-off secret comes in
+rank's hand-off address, in rank order), ``decode_size`` and ``drop`` (sends nothing: a rank lost
+before its hand-off). The hand-off secret comes in
 ``KVPORT_RESHARD_SECRET`` (hex), never on a command line.
 
 ::
 
     decode rank r of D                                  prefill rank p of P
       listen (Receiver(reshard=True) into Assemblies)     prefill(prompt): this rank's heads, all layers
-      -> ready {address}                                  blocks = the prompt's full blocks (LKHTD)
+      -> ready {address}, then wait for "go"              blocks = the prompt's full blocks (LKHTD)
       take(request, keys checked against the prompt)      for each decode rank r: the heads both hold
       store the blocks under this rank's keys               (piece_for) -> split -> one transfer to r
       generate(prompt): every block loaded, the ranks     -> {sent_bytes, first_token}
@@ -39,6 +40,7 @@ from kvport.workers import messages
 from kvport.workers.quiet import quiet_transformers
 
 SECRET_ENV = "KVPORT_RESHARD_SECRET"
+_START_S = 300.0  # a decode rank waits this long for its driver's "go" (the prefill ranks loading)
 
 
 def _join_group(cfg: dict[str, Any]) -> None:
@@ -97,7 +99,7 @@ def _prefill(conn: Connection, cfg: dict[str, Any], engine: Any, secret: bytes) 
     try:
         for r, addr in enumerate(dests):
             piece = piece_for(spec, spec.for_rank(r, int(cfg["decode_size"])))
-            if piece is None:
+            if piece is None or cfg.get("drop"):  # drop: a rank that dies before it sends (fault injection)
                 continue
             part = split(blocks, spec, piece)
             keys = piece_keys(prompt[: n * spec.block_size], piece)
@@ -134,6 +136,7 @@ def _decode(conn: Connection, cfg: dict[str, Any], engine: Any, secret: bytes) -
     error, wire, t_take = None, 0, 0.0
     try:
         messages.send(conn, {"op": "ready", "ok": True, "address": listener.address})
+        messages.recv(conn, _START_S)  # "go": the prefill ranks are up, the request's deadline starts now
         t0 = time.perf_counter()
         vb = stored_bytes(spec)
         store = TieredStore([HostTier((n + 1) * vb, vb, name="host")],

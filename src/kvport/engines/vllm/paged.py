@@ -271,17 +271,49 @@ class PagedKV:
         else:
             self._np5[layer][ids] = self._slabs5(src)
 
+    def scatter_layer_ahead(self, layer: int, block_ids: np.ndarray, src: np.ndarray) -> Any:
+        """Queue :meth:`scatter_layer` of ``layer`` without making the forward wait for it yet: on CUDA
+        the copy runs on the side stream while the compute stream goes on with the layers before it
+        (returns its event: :meth:`wait_copy` before the layer's attention, :meth:`sync_copy` before
+        ``src`` is reused); elsewhere the copy is done on return (None)."""
+        if not self._cuda:
+            self.scatter_layer(layer, block_ids, src)
+            return None
+        ids = np.asarray(block_ids, dtype=np.int64)
+        self._check_ids(ids)
+        host = torch.from_numpy(self._slabs5(src))
+        idx = torch.from_numpy(ids).to(self.device, non_blocking=True)
+        def work() -> None:
+            self.views[layer].index_copy_(0, idx, host.to(self.device, non_blocking=True))
+
+        return self._issue(work)
+
+    def wait_copy(self, event: Any) -> None:
+        """The compute stream waits for a copy :meth:`scatter_layer_ahead` queued (None: nothing)."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    @staticmethod
+    def sync_copy(event: Any) -> None:
+        """The host waits for a queued copy (its pinned source may then be rewritten)."""
+        if event is not None:
+            event.synchronize()
+
     # ------------------------------------------------------------------ CUDA (side stream, pinned host)
-    def _on_side(self, work: Callable[[], None], wait_host: bool) -> None:
+    def _issue(self, work: Callable[[], None]) -> Any:
+        """``work`` on the side stream, after what the compute stream queued so far; its event."""
         side = self._side
         assert side is not None
-        compute = torch.cuda.current_stream(self.device)
-        side.wait_stream(compute)  # after whatever the step's forward queued on these blocks
+        side.wait_stream(torch.cuda.current_stream(self.device))  # after whatever the forward queued on these blocks
         with torch.cuda.stream(side):
             work()
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(side)
-        compute.wait_event(done)  # the forward reads the loaded blocks only after the copy
+        return done
+
+    def _on_side(self, work: Callable[[], None], wait_host: bool) -> None:
+        done = self._issue(work)
+        torch.cuda.current_stream(self.device).wait_event(done)  # the forward reads the blocks only after the copy
         if wait_host:
             done.synchronize()
 

@@ -64,6 +64,9 @@ SECONDS = metrics.counter("vllm_connector_seconds", "seconds the vLLM connector 
                           ["op"])
 
 
+_NOT_QUEUED = object()
+
+
 @dataclass(slots=True)
 class WorkerStats:
     blocks_loaded: int = 0
@@ -101,6 +104,8 @@ class BlockMover:
         self._count = 0
         self._layers_done: list[bool] = [True] * spec.num_layers
         self._failed: set[int] = set()
+        self._ahead: dict[int, object] = {}  # layer -> its copy queued ahead (CUDA: an event; else None, done)
+        self._queued: list[object] = []  # this step's queued copies (CUDA events), synced before the staging is reused
         self.stats = WorkerStats()
 
     # ------------------------------------------------------------------ load
@@ -226,20 +231,41 @@ class BlockMover:
         return []
 
     def load_layer(self, layer: int) -> None:
+        """Layer ``layer`` of the step's loaded blocks into the paged KV before its attention runs. On
+        CUDA the next layer's copy is queued at once on the side stream, so it runs while this layer
+        computes (``PagedKV.scatter_layer_ahead``); the forward waits only for the layer it reads."""
         if self._ids is None or self._layers_done[layer]:
             return
         t0 = time.perf_counter()
-        self.paged.scatter_layer(layer, self._ids, self.staging.layer(layer, self._count))
+        ahead = self._ahead.pop(layer, _NOT_QUEUED)
+        if ahead is _NOT_QUEUED:
+            ahead = self._queue(layer)
+        self.paged.wait_copy(ahead)
         self._layers_done[layer] = True
+        nxt = layer + 1
+        if self.paged.device.type == "cuda" and nxt < self.spec.num_layers and not self._layers_done[nxt] \
+                and nxt not in self._ahead:
+            self._ahead[nxt] = self._queue(nxt)
         dt = time.perf_counter() - t0
         self.stats.load_copy_s += dt
         SECONDS.labels(op="load").inc(dt)
+
+    def _queue(self, layer: int) -> object:
+        assert self._ids is not None
+        ev = self.paged.scatter_layer_ahead(layer, self._ids, self.staging.layer(layer, self._count))
+        if ev is not None:
+            self._queued.append(ev)
+        return ev
 
     def finish_load(self) -> None:
         if self._ids is not None:
             for layer, done in enumerate(self._layers_done):
                 if not done:
                     self.load_layer(layer)
+        for ev in self._queued:  # the staging is rewritten by the next step's reads: its copies must be out
+            self.paged.sync_copy(ev)
+        self._queued.clear()
+        self._ahead.clear()
         self._ids = None
         self._count = 0
 

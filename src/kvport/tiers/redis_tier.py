@@ -70,9 +70,26 @@ return 1
 """
 
 
+# a cluster between topologies (a primary lost, its replica not promoted yet; a slot moving): unavailable for now
+_CLUSTER_TRANSIENT: tuple[type[Exception], ...] = tuple(
+    c for c in (getattr(redis.exceptions, n, None) for n in ("ClusterDownError", "TryAgainError", "MasterDownError",
+                                                              "ClusterError", "RedisClusterException"))
+    if isinstance(c, type))
+
+
+# every error redis-py raises: its cluster client's own (RedisClusterException) is not a RedisError
+_REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, *(
+    c for c in (getattr(redis.exceptions, "RedisClusterException", None),) if isinstance(c, type)))
+_REDIS_OR_VALUE: tuple[type[Exception], ...] = (*_REDIS_ERRORS, ValueError)
+_REDIS_OR_OS: tuple[type[Exception], ...] = (*_REDIS_ERRORS, OSError)
+
+
 def _map(name: str, exc: Exception) -> TierError:
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
         return TierUnavailableError(f"{name}: redis unavailable: {exc}")
+    if isinstance(exc, _CLUSTER_TRANSIENT) or (isinstance(exc, redis.ResponseError) and str(exc).startswith(
+            ("CLUSTERDOWN", "TRYAGAIN", "MASTERDOWN"))) or "cluster is down" in str(exc):
+        return TierUnavailableError(f"{name}: redis cluster unavailable: {exc}")
     oom = getattr(redis.exceptions, "OutOfMemoryError", ())  # redis-py >= 5 names the OOM reply; older: "OOM ..."
     if isinstance(exc, oom) or (isinstance(exc, redis.ResponseError) and str(exc).startswith("OOM")):
         return TierFullError(f"{name}: redis is out of memory: {exc}")
@@ -141,7 +158,7 @@ class RedisTier(Tier):
                 self._r: Any = RedisCluster.from_url(url, **kw)
             else:
                 self._r = redis.Redis.from_url(url, retry_on_timeout=False, **kw)
-        except (redis.RedisError, ValueError) as exc:
+        except _REDIS_OR_VALUE as exc:
             raise TierUnavailableError(f"{name}: cannot connect to {url}: {exc}") from exc
         self._settle_script: Any = self._r.register_script(_SETTLE)  # no I/O: loaded on first use
 
@@ -157,7 +174,7 @@ class RedisTier(Tier):
     def used_bytes(self) -> int:
         try:
             return int(self._r.info("memory")["used_memory"])
-        except redis.RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise _map(self.name, exc) from exc
 
     def _pipe(self) -> Any:
@@ -168,7 +185,7 @@ class RedisTier(Tier):
         head = self._k(key)
         try:
             return bool(self._settle_script(keys=[head, *ver.chunk_keys(head)], args=[ver.tail, ver.strlen, mode]))
-        except redis.RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise _map(self.name, exc) from exc
 
     def _trailer(self, n: int, digest: int, version: bytes) -> bytes:
@@ -237,10 +254,10 @@ class RedisTier(Tier):
                     replies.append(conn.read_response())
                 except redis.ResponseError as exc:
                     replies.append(exc)
-        except (redis.RedisError, OSError) as exc:
+        except _REDIS_OR_OS as exc:
             if conn is not None:
                 conn.disconnect()  # half a command may be on the wire: never reuse this stream
-            raise _map(self.name, exc if isinstance(exc, redis.RedisError) else redis.ConnectionError(str(exc))) \
+            raise _map(self.name, exc if isinstance(exc, _REDIS_ERRORS) else redis.ConnectionError(str(exc))) \
                 from exc
         finally:
             if conn is not None:
@@ -273,7 +290,7 @@ class RedisTier(Tier):
                 counts.append(2 + len(chunk_keys))
             try:
                 replies = pipe.execute(raise_on_error=False)
-            except redis.RedisError as exc:
+            except _REDIS_ERRORS as exc:
                 raise _map(self.name, exc) from exc
             self._after_put(keys[lo:hi], trailers, counts, replies)
 
@@ -310,7 +327,7 @@ class RedisTier(Tier):
             pipe.getrange(self._k(k), -TRAILER_BYTES, -1)
         try:
             got = pipe.execute()
-        except redis.RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise _map(self.name, exc) from exc
         return [_parse(t, int(s), self.chunk_bytes) if s else None for s, t in zip(got[::2], got[1::2], strict=True)]
 
@@ -335,7 +352,7 @@ class RedisTier(Tier):
                     pipe.get(self._k(key))
                 try:
                     heads = pipe.execute()
-                except redis.RedisError as exc:
+                except _REDIS_ERRORS as exc:
                     raise _map(self.name, exc) from exc
                 singles: list[tuple[int, bytes, memoryview, memoryview, int]] = []  # (plan, key, dst, bytes, digest)
                 for (key, dst), head in zip(items[a:b], heads, strict=True):
@@ -371,7 +388,7 @@ class RedisTier(Tier):
             self._drop_bad(key, plan[2], "checksum mismatch", raise_missing)
         try:
             chunks = rest.execute() if len(rest) else []
-        except redis.RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise _map(self.name, exc) from exc
         out: list[int | None] = []
         ci = 0
@@ -431,14 +448,14 @@ class RedisTier(Tier):
             pipe.exists(self._k(k))
         try:
             return [bool(x) for x in pipe.execute()]
-        except redis.RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise _map(self.name, exc) from exc
 
     def ttl_of(self, key: bytes) -> float | None:
         """Seconds left before Redis expires the value; None when it has no TTL or is absent."""
         try:
             ms = int(self._r.pttl(self._k(key)))
-        except redis.RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise _map(self.name, exc) from exc
         return None if ms < 0 else ms / 1000
 
@@ -453,14 +470,14 @@ class RedisTier(Tier):
                 return True
         try:
             return bool(self._r.delete(self._k(key)))
-        except redis.RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise _map(self.name, exc) from exc
 
     def keys(self) -> Iterator[bytes]:
         plen = len(self.prefix) + 1
         try:
             found = list(self._r.scan_iter(match=self.prefix + b"{*}", count=1000))
-        except redis.RedisError as exc:
+        except _REDIS_ERRORS as exc:
             raise _map(self.name, exc) from exc
         return iter([bytes.fromhex(k[plen:-1].decode()) for k in found if k.endswith(b"}")])
 

@@ -27,6 +27,7 @@ import pytest
 from kvport.codec.envelope import stored_bytes
 from kvport.engines.vllm.identity import engine_spec
 from kvport.keys import KeyContext, chain_keys
+from tests.engines.vllm_http import metric, post
 from tests.server.conftest import ServerProc, base_args
 
 pytestmark = [
@@ -40,29 +41,12 @@ LEASE_S = 4.0
 BLOCK = 32
 
 
-def _post(url: str, body: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        out: dict[str, Any] = json.loads(r.read())
-        return out
-
-
-def _metric(url: str, name: str, **labels: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def _computed(url: str) -> float:
-    return _metric(url, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    return metric(url, "vllm:prompt_tokens_by_source_total", source="local_compute")
 
 
 def _external(url: str) -> float:
-    return _metric(url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    return metric(url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
 
 
 @dataclass
@@ -79,7 +63,7 @@ class Deployment:
     def reference(self, body: dict[str, Any], tag: str) -> dict[str, Any]:
         """The decode engine computing the request from scratch: its own salt misses every cache."""
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-        return _post(self.decode.url + path, {**body, "cache_salt": f"reference-{tag}-{time.monotonic_ns()}"})
+        return post(self.decode.url + path, {**body, "cache_salt": f"reference-{tag}-{time.monotonic_ns()}"})
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +151,7 @@ def _completion(pd: Deployment, prompt: list[int], params: dict[str, Any] | None
                             "logprobs": 1}
     if params is not None:
         body["kv_transfer_params"] = params
-    return _post((url or pd.decode.url) + "/v1/completions", body)
+    return post((url or pd.decode.url) + "/v1/completions", body)
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -181,7 +165,7 @@ def _prefill(pd: Deployment, prompt: list[int], dest: str | None = None) -> dict
     if dest is not None:
         ask["kvport_dest"] = dest
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "kv_transfer_params": ask}
-    out = _post(pd.prefill.url + "/v1/completions", body)
+    out = post(pd.prefill.url + "/v1/completions", body)
     params: dict[str, Any] = out["kv_transfer_params"]
     return params
 
@@ -237,7 +221,7 @@ def test_bad_hand_offs_are_recomputed_never_a_wrong_token_and_the_reason_is_logg
     text = log.read_text(errors="replace")
     # the outcomes are counted too, on vLLM's own /metrics (prometheus multiprocess mode: EngineServer sets it)
     for outcome in ("never_sent", "spec_block_size", "spec_revision", "spec_dtype", "spec_model_id", "missing"):
-        assert _metric(pd.decode.url, "kvport_vllm_pd_loads_total", outcome=outcome) >= 1, outcome
+        assert metric(pd.decode.url, "kvport_vllm_pd_loads_total", outcome=outcome) >= 1, outcome
     for why in ("the KV was never sent", "block_size is 16 there, 32 here", "revision is 'another-revision' there",
                 "dtype is 'bf16' there", "model_id is 'another-model' there", "384 tokens handed over, 192 found",
                 f"block {keys[5].hex()} refused"):
@@ -253,13 +237,13 @@ def test_a_streamed_hand_off_lands_in_the_decode_engine_and_only_its_own_stream_
     n = lambda p: (len(p) - 1) // BLOCK * BLOCK  # noqa: E731  # tokens a hand-off carries
     # streamed layer by layer into the decode engine's inbox during the prefill: every token loaded from it
     p = _prompt(11, 900)
-    committed = _metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="committed")
-    handed = _metric(pd.prefill.url, "kvport_ledger_moves_total", move="handed_off")
+    committed = metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="committed")
+    handed = metric(pd.prefill.url, "kvport_ledger_moves_total", move="handed_off")
     params = _prefill(pd, p, pd.inbox)
     assert len(params["kvport"]["stream"]) == 32
-    assert _metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="committed") == committed + 1
+    assert metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="committed") == committed + 1
     # ownership on both sides: the producer's ledger handed every streamed block off to the decode engine ...
-    assert _metric(pd.prefill.url, "kvport_ledger_moves_total", move="handed_off") - handed == n(p) // BLOCK
+    assert metric(pd.prefill.url, "kvport_ledger_moves_total", move="handed_off") - handed == n(p) // BLOCK
     spec = engine_spec(str(model_dir), dtype="float32", block_size=BLOCK)
     keys = chain_keys(p, KeyContext(block_size=BLOCK, spec_fingerprint=spec.fingerprint))[: n(p) // BLOCK]
     # ... and the decode engine's acquired them from it, with one transfer id (kvport inspect --handoff)
@@ -272,7 +256,7 @@ def test_a_streamed_hand_off_lands_in_the_decode_engine_and_only_its_own_stream_
     ext = _external(pd.decode.url)
     assert _same(_completion(pd, p, params), pd.reference({**body, "prompt": p}, "streamed"))
     assert _external(pd.decode.url) - ext == n(p)
-    assert _metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="taken") >= 1
+    assert metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="taken") >= 1
     # kept in the shared tier after the request's first step: handed to the pool, and the engine holds none
     deadline = time.monotonic() + 15
     while (ans := records(pd.inbox, deployment_secret().encode())).held or \
@@ -281,12 +265,12 @@ def test_a_streamed_hand_off_lands_in_the_decode_engine_and_only_its_own_stream_
         time.sleep(0.1)
     # the same prompt again (repeated prefixes): the decode engine's own cache holds it, so nothing takes the
     # new stream; it is released at once, never left to lapse holding the inbox's room (issue 25, defect 12)
-    discarded = _metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="discarded")
-    lapsed = _metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="lapsed")
+    discarded = metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="discarded")
+    lapsed = metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="lapsed")
     again = _prefill(pd, p, pd.inbox)
     assert _same(_completion(pd, p, again), pd.reference({**body, "prompt": p}, "streamed"))
-    assert _metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="discarded") == discarded + 1
-    assert _metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="lapsed") == lapsed
+    assert metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="discarded") == discarded + 1
+    assert metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="lapsed") == lapsed
     # the decode engine kept the streamed blocks in the shared tier: any engine's next prefill finds them
     tier = pd.server.client()
     try:
@@ -300,30 +284,30 @@ def test_a_streamed_hand_off_lands_in_the_decode_engine_and_only_its_own_stream_
     q = _prompt(12)
     params = _prefill(pd, q, pd.inbox)
     params["kvport"]["stream"] = "0" * 32
-    partial = _metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="partial")
+    partial = metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="partial")
     assert _same(_completion(pd, q, params), pd.reference({**body, "prompt": q}, "other-stream"))
-    assert _metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="partial") == partial + 1
+    assert metric(pd.decode.url, "kvport_vllm_pd_streams_total", outcome="partial") == partial + 1
     assert "never reached this decode engine" in (pd.root / "decode.log").read_text(errors="replace")
     # an inbox nobody listens on: the producer saves to the store instead, and the decode engine loads from there
     from kvport.deploy.vllm_serve import free_port
 
     r = _prompt(13)
-    failed = _metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="failed")
+    failed = metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="failed")
     params = _prefill(pd, r, pd.dead)
     ext = _external(pd.decode.url)
     assert _same(_completion(pd, r, params), pd.reference({**body, "prompt": r}, "no-inbox"))
     assert _external(pd.decode.url) - ext == n(r)
-    assert _metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="failed") == failed + 1
+    assert metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="failed") == failed + 1
     assert "saved to the store instead" in (pd.root / "prefill.log").read_text(errors="replace")
     # a kvport_dest the deployment did not configure (a request naming its own address): never dialled,
     # the KV saved to the store, the answer still right
     s = _prompt(14)
-    refused = _metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="refused_dest")
+    refused = metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="refused_dest")
     params = _prefill(pd, s, f"127.0.0.1:{free_port()}")
     ext = _external(pd.decode.url)
     assert _same(_completion(pd, s, params), pd.reference({**body, "prompt": s}, "foreign-dest"))
     assert _external(pd.decode.url) - ext == n(s)
-    assert _metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="refused_dest") == refused + 1
+    assert metric(pd.prefill.url, "kvport_vllm_pd_streams_total", outcome="refused_dest") == refused + 1
     assert "not one of kvport_pd_destinations" in (pd.root / "prefill.log").read_text(errors="replace")
 
 
@@ -340,7 +324,7 @@ def test_a_hand_off_lease_lapses_and_leaves_nothing_held(pd: Deployment) -> None
         while not any(row.blocks == n for row in tier.stats().leases):
             assert time.monotonic() < deadline, "the hand-off was never leased in the shared tier"
             time.sleep(0.05)
-        assert _metric(pd.prefill.url, "kvport_vllm_pd_handoffs_total", outcome="leased") >= 1
+        assert metric(pd.prefill.url, "kvport_vllm_pd_handoffs_total", outcome="leased") >= 1
         time.sleep(LEASE_S + 1.5)
         stats, leaks = tier.stats(), tier.leaks()
         assert not stats.leases and not stats.pins and leaks.clean
@@ -362,7 +346,7 @@ def test_killed_engines_the_request_completes_by_recompute_or_fails_clearly(pd: 
     short = {**body, "prompt": _prompt(8)}
     down = ProxyServer([pd.prefill.url], [f"http://127.0.0.1:{free_port()}"], pd.root / "proxy-down.log").start()
     try:
-        assert _same(_post(down.url + "/v1/completions", short), pd.reference(short, "down"))
+        assert _same(post(down.url + "/v1/completions", short), pd.reference(short, "down"))
     finally:
         down.stop()
     assert "a prefill engine computes the request" in (pd.root / "proxy-down.log").read_text()
@@ -370,7 +354,7 @@ def test_killed_engines_the_request_completes_by_recompute_or_fails_clearly(pd: 
     import threading
 
     out: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: out.update(_post(pd.proxy_url + "/v1/completions", body)))
+    t = threading.Thread(target=lambda: out.update(post(pd.proxy_url + "/v1/completions", body)))
     t.start()
     time.sleep(0.5)  # the prefill of 1,800 tokens takes seconds on 2 cores
     pd.prefill.kill()

@@ -7,10 +7,7 @@ prefill/decode at TP=3 on both sides streams each rank's heads to its own inbox.
 from __future__ import annotations
 
 import importlib.util
-import json
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -20,6 +17,7 @@ from kvport.deploy.vllm_runner import EngineJob
 from kvport.engines.vllm.identity import engine_spec
 from kvport.keys import KeyContext, chain_keys, head_keys
 from kvport.tiers.disk import DiskTier
+from tests.engines.vllm_http import metric, post
 
 pytestmark = [
     pytest.mark.slow,
@@ -55,20 +53,6 @@ def test_tp3_ranks_save_their_heads_and_a_prompt_seen_before_loads_with_the_same
         tier.close()
 
 
-def _post(url: str, body: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        out: dict[str, Any] = json.loads(r.read())
-        return out
-
-
-def _metric(url: str, name: str, **labels: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
-
-
 def test_pd_at_tp3_streams_each_rank_to_its_own_inbox_through_the_proxy(model_dir: Path, tmp_path: Path) -> None:
     """Prefill TP=3 -> decode TP=3, ``vllm serve`` both, the proxy passing the decode engine's three
     rank inboxes: each prefill rank streams its heads to its decode rank during the prefill, and the
@@ -92,17 +76,17 @@ def test_pd_at_tp3_streams_each_rank_to_its_own_inbox_through_the_proxy(model_di
         for i in range(2):
             prompt = random_tokens(20 + i, 300)
             body = {"model": "kvport-model", "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "logprobs": 1}
-            ext0, comp0 = (_metric(dec.url, source, source=s) for s in ("external_kv_transfer", "local_compute"))
-            got = _post(proxy.url + "/v1/completions", body)
-            ext = _metric(dec.url, source, source="external_kv_transfer") - ext0
-            comp = _metric(dec.url, source, source="local_compute") - comp0
+            ext0, comp0 = (metric(dec.url, source, source=s) for s in ("external_kv_transfer", "local_compute"))
+            got = post(proxy.url + "/v1/completions", body)
+            ext = metric(dec.url, source, source="external_kv_transfer") - ext0
+            comp = metric(dec.url, source, source="local_compute") - comp0
             assert (ext, comp) == (288, 12)  # 9 blocks streamed to every rank, the last 12 tokens computed
-            ref = _post(dec.url + "/v1/completions", {**body, "cache_salt": f"reference-{i}"})
+            ref = post(dec.url + "/v1/completions", {**body, "cache_salt": f"reference-{i}"})
             a, b = got["choices"][0], ref["choices"][0]
             assert a["text"] == b["text"]
             assert max(abs(x - y) for x, y in zip(a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"],
                                                   strict=True)) < 1e-4
-        assert _metric(dec.url, "kvport_vllm_pd_streams_total", outcome="taken") == 2 * TP  # one per rank
+        assert metric(dec.url, "kvport_vllm_pd_streams_total", outcome="taken") == 2 * TP  # one per rank
     finally:
         if proxy is not None:
             proxy.stop()

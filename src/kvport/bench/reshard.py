@@ -124,16 +124,15 @@ def run(opts: SuiteOptions) -> Report:
                       transport="tcp loopback (the hand-off, authenticated)", group="gloo (transformers tp_plan)",
                       threads_per_rank=1, cases=[f"{p}-{d}" for p, d in cases], take_s=take_s,
                       dropped_prefill_rank=drop)
-    cfg = {"model_dir": str(settings.model_dir), "prompt": prompt, "max_new_tokens": max_new}
-    secret = secrets.token_bytes(32)
+    cfg = {"model_dir": str(settings.model_dir), "prompt": prompt, "max_new_tokens": max_new,
+           "secret": secrets.token_bytes(32).hex()}  # to the ranks over the spawn pipe, never a command line
     results: dict[str, Any] = {}
-    with _env({tp_rank.SECRET_ENV: secret.hex()}):
-        for p, d in cases:
-            t0 = time.perf_counter()
-            got = _case(p, d, cfg, timeout_s=take_s, drop=drop)
-            row = _summary(got, ref.tokens, kv_bytes, time.perf_counter() - t0)
-            row["decode_ttft_vs_one_process"] = round(row["ttft_s"] / ref.ttft_s, 4) if ref.ttft_s > 0 else None
-            results[f"tp{p}_to_tp{d}"] = row
+    for p, d in cases:
+        t0 = time.perf_counter()
+        got = _case(p, d, cfg, timeout_s=take_s, drop=drop)
+        row = _summary(got, ref.tokens, kv_bytes, time.perf_counter() - t0)
+        row["decode_ttft_vs_one_process"] = round(row["ttft_s"] / ref.ttft_s, 4) if ref.ttft_s > 0 else None
+        results[f"tp{p}_to_tp{d}"] = row
     results["all_tokens_equal"] = all(r["tokens_equal"] for r in results.values() if isinstance(r, dict))
     return finish(Report("reshard", cond, limits, results))
 
@@ -155,23 +154,6 @@ def _summary(got: dict[str, Any], ref: tuple[int, ...], kv_bytes: int, seconds: 
         "case_s": round(seconds, 2),
         "errors": errors,
     }
-
-
-@contextlib.contextmanager
-def _env(extra: dict[str, str]) -> Any:
-    """The workers (spawned: a fresh interpreter) inherit ``extra`` through the environment."""
-    import os
-
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 __all__ = ["run"]

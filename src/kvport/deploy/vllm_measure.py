@@ -54,7 +54,9 @@ def run_engine(job: EngineJob, workdir: Path, name: str, timeout_s: float = 900.
     workdir.mkdir(parents=True, exist_ok=True)
     job_path, out_path, log_path = workdir / f"{name}.job.json", workdir / f"{name}.out.json", workdir / f"{name}.log"
     job_path.write_text(json.dumps(asdict(job)))
-    env = subprocess_env({**ENGINE_ENV, "VLLM_CACHE_ROOT": str(vllm_cache_root()), **(engine_env or {})})
+    # vLLM's CPU auto-binding wants a NUMA node per rank; a one-node machine runs TP ranks unbound
+    tp = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"} if job.tensor_parallel_size > 1 else {}
+    env = subprocess_env({**ENGINE_ENV, "VLLM_CACHE_ROOT": str(vllm_cache_root()), **tp, **(engine_env or {})})
     with log_path.open("wb") as log:
         try:
             proc = subprocess.run([sys.executable, "-m", "kvport.deploy.vllm_runner", str(job_path), str(out_path)],

@@ -96,8 +96,6 @@ def run(job: EngineJob) -> dict[str, Any]:
     kw: dict[str, Any] = {"enable_prefix_caching": job.enable_prefix_caching}
     if job.tensor_parallel_size > 1:
         kw |= {"tensor_parallel_size": job.tensor_parallel_size, "distributed_executor_backend": "mp"}
-        # vLLM's CPU auto-binding wants a NUMA node per rank; a one-node machine runs the ranks unbound
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if job.disk_dir is not None:
         kw["kv_transfer_config"] = kv_transfer_config(job.disk_dir, job.extra_config)
     t0 = time.perf_counter()

@@ -6,8 +6,8 @@ rank computes, and caches, its KV heads only). ``cfg``: ``role`` (prefill | deco
 ``size``, ``master_port`` (its side's group), ``model_dir``, ``prompt`` (token ids), ``request_id``,
 ``max_new_tokens``; a decode rank also ``timeout_s``, a prefill rank ``destinations`` (every decode
 rank's hand-off address, in rank order), ``decode_size`` and ``drop`` (sends nothing: a rank lost
-before its hand-off). The hand-off secret comes in
-``KVPORT_RESHARD_SECRET`` (hex), never on a command line.
+before its hand-off); every rank ``secret``, the run's hand-off secret (hex), as the demo's workers get
+it (over the spawn pipe, never on a command line).
 
 ::
 
@@ -39,7 +39,6 @@ from kvport.errors import KVPortError
 from kvport.workers import messages
 from kvport.workers.quiet import quiet_transformers
 
-SECRET_ENV = "KVPORT_RESHARD_SECRET"
 _START_S = 300.0  # a decode rank waits this long for its driver's "go" (the prefill ranks loading)
 
 
@@ -58,7 +57,7 @@ def main(conn: Connection, cfg: dict[str, Any]) -> None:
         from kvport.engines.hf import HFEngine
 
         engine = HFEngine.from_model_dir(Path(cfg["model_dir"]), None, tp_plan=cfg["size"] > 1)
-        secret = bytes.fromhex(os.environ[SECRET_ENV])
+        secret = bytes.fromhex(str(cfg["secret"]))
         run = _decode if cfg["role"] == "decode" else _prefill
         messages.send(conn, {"op": "result", "ok": True, **run(conn, cfg, engine, secret)})
     except KVPortError as exc:
@@ -159,4 +158,4 @@ def _decode(conn: Connection, cfg: dict[str, Any], engine: Any, secret: bytes) -
             "heads": list(spec.head_range)}
 
 
-__all__ = ["SECRET_ENV", "main"]
+__all__ = ["main"]

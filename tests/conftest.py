@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from kvport.deploy.redis_cluster import RedisClusterProcs
 from kvport.extras import missing_extra_for
 
 
@@ -122,111 +123,17 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     srv.stop()
 
 
-def _cluster_port() -> int:
-    """A free port whose cluster bus port (+10000) is free and valid too."""
-    import random
-
-    for _ in range(200):
-        port = random.randrange(20000, 45000)
-        try:
-            for p in (port, port + 10000):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port pair for a cluster node")
-
-
-class RedisCluster:
-    """A real Redis Cluster: ``primaries`` x (1 + ``replicas``) ``redis-server --cluster-enabled yes``
-    children on 127.0.0.1, joined by ``redis-cli --cluster create``, persistence off."""
-
-    def __init__(self, workdir: Path, primaries: int = 3, replicas: int = 1, node_timeout_ms: int = 1000) -> None:
-        exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
-        if exe is None or cli is None:
-            pytest.skip("redis-server / redis-cli not installed (make test installs them)")
-        self.exe, self.cli, self.workdir = exe, cli, workdir
-        self.ports = [_cluster_port() for _ in range(primaries * (1 + replicas))]
-        self.replicas, self.node_timeout_ms = replicas, node_timeout_ms
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.ports[0]}/0"
-
-    def start_node(self, port: int) -> None:
-        d = self.workdir / str(port)
-        d.mkdir(exist_ok=True)
-        self.procs[port] = subprocess.Popen(
-            [self.exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(d), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-             "--cluster-node-timeout", str(self.node_timeout_ms), "--protected-mode", "yes"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while self.cmd(port, "PING") != "PONG":
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"cluster node {port} did not start")
-            time.sleep(0.05)
-
-    def cmd(self, port: int, *args: str) -> str:
-        out = subprocess.run([self.cli, "-p", str(port), *args], capture_output=True, text=True, timeout=10,
-                             check=False)
-        return out.stdout.strip()
-
-    def start(self) -> RedisCluster:
-        for p in self.ports:
-            self.start_node(p)
-        subprocess.run([self.cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
-                        "--cluster-replicas", str(self.replicas), "--cluster-yes"],
-                       capture_output=True, timeout=60, check=True)
-        self.wait_ok()
-        return self
-
-    def wait_ok(self, timeout_s: float = 30.0) -> None:
-        """Until every running node reports ``cluster_state:ok`` and sees every slot served, and every
-        replica's link to its primary is up (a replica that never synced cannot take over)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            infos = [self.cmd(p, "CLUSTER", "INFO") for p in self.procs]
-            repl = [self.cmd(p, "INFO", "replication") for p in self.procs]
-            synced = all("role:master" in r or "master_link_status:up" in r for r in repl)
-            if synced and all("cluster_state:ok" in i and "cluster_slots_ok:16384" in i for i in infos):
-                return
-            time.sleep(0.2)
-        raise RuntimeError("the Redis Cluster did not become ok")
-
-    def primary_of(self, key: bytes) -> int:
-        """The port of the primary serving ``key``'s slot."""
-        live = next(iter(self.procs))  # a node still running
-        slot = int(self.cmd(live, "CLUSTER", "KEYSLOT", key.decode()))
-        for line in self.cmd(live, "CLUSTER", "NODES").splitlines():
-            f = line.split()
-            if "master" in f[2] and "fail" not in f[2]:
-                for rng in f[8:]:
-                    lo, _, hi = rng.partition("-")
-                    if lo.isdigit() and int(lo) <= slot <= int(hi or lo):
-                        return int(f[1].split(":")[1].split("@")[0])
-        raise RuntimeError(f"no primary serves slot {slot}")
-
-    def kill(self, port: int) -> None:
-        proc = self.procs.pop(port)
-        proc.kill()
-        proc.wait(10)
-
-    def stop(self) -> None:
-        for port in list(self.procs):
-            self.kill(port)
-
-
 @pytest.fixture()
-def redis_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
-    c = RedisCluster(tmp_path / "cluster")
-    c.workdir.mkdir()
+def redis_cluster(tmp_path: Path) -> Iterator[RedisClusterProcs]:
+    """A real Redis Cluster (3 primaries + 3 replicas, :mod:`kvport.deploy.redis_cluster`), ended after the test."""
+    from kvport.errors import ConfigError
+
     try:
-        yield c.start()
-    finally:
-        c.stop()
+        c = RedisClusterProcs(tmp_path / "cluster")
+    except ConfigError as exc:
+        pytest.skip(f"{exc}")
+    with c:
+        yield c
 
 
 @pytest.fixture(scope="session")

@@ -214,9 +214,13 @@ def test_config_from_extra_config() -> None:
     for bad in ({}, {"kvport_disk_dir": "/x", "kvport_disk_dir_typo": 1},
                 {"kvport_disk_dir": "/x", "kvport_disk_capacity": "lots"},
                 {"kvport_disk_dir": "/x", "kvport_staging_tokens": 0},
-                {"kvport_disk_dir": "/x", "kvport_tenant_salt": "xyz"}):
+                {"kvport_disk_dir": "/x", "kvport_tenant_salt": "xyz"},
+                {"kvport_redis": "http://x:1"}, {"kvport_redis": 5},
+                {"kvport_redis": "redis://x:1/0?cluster=maybe"}, {"kvport_redis": "redis://x:1/0?wait_replicas=a"}):
         with pytest.raises(ConfigError):
             ConnectorConfig.from_extra_config(bad)
+    only_redis = ConnectorConfig.from_extra_config({"kvport_redis": "redis://h:7000/0?cluster=true"})
+    assert only_redis.redis_url == "redis://h:7000/0?cluster=true" and only_redis.disk_dir is None
 
 
 def test_engine_spec_names_config_weights_and_revision(tmp_path: Path) -> None:

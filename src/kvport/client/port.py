@@ -7,7 +7,8 @@
               + disk_dir, disk_bytes, disk_shared  --> DiskTier            (persistent; shared: several
                                                                             engine processes, each sees
                                                                             the others' saves)
-              + redis_url                          --> RedisTier           (a shared tier beyond one machine)
+              + redis_url                          --> RedisTier           (a shared tier beyond one machine:
+                                                                            one server, or ?cluster=true)
               + server=ClientConfig(...)           --> RemoteTier          (the kvport server: the pool)
                 + server_write=THROUGH | BEHIND                            (every put copied to it)
     open_store(cfg, ledger) -> TieredStore(tiers top-down, ledger, eviction policy)
@@ -97,7 +98,7 @@ def open_port(cfg: StoreConfig, ledger: Ledger | None = None) -> OpenedStore:
         if cfg.redis_url is not None:
             from kvport.tiers.redis_tier import RedisTier
 
-            tiers.append(RedisTier(cfg.redis_url, name="redis"))
+            tiers.append(RedisTier.from_url(cfg.redis_url, name="redis"))
         if cfg.server is not None:
             server = RemoteTier(cfg.server, name=SERVER_TIER)
             tiers.append(server)

@@ -65,14 +65,16 @@ class TargetResult:
     connector: dict[str, Any] | None  # the worker connector's counters for this request alone
 
 
-def kv_transfer_config(disk_dir: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The ``kv_transfer_config`` that plugs KVPortConnector into ``LLM(...)``."""
+def kv_transfer_config(disk_dir: str | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``kv_transfer_config`` that plugs KVPortConnector into ``LLM(...)`` (its store: the disk
+    folder, and whatever ``extra`` names: ``kvport_redis``, ``kvport_server``)."""
+    disk = {} if disk_dir is None else {"kvport_disk_dir": disk_dir}
     return {
         "kv_connector": CONNECTOR,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"kvport_disk_dir": disk_dir, **(extra or {})},
+        "kv_connector_extra_config": {**disk, **(extra or {})},
     }
 
 
@@ -96,7 +98,7 @@ def run(job: EngineJob) -> dict[str, Any]:
     kw: dict[str, Any] = {"enable_prefix_caching": job.enable_prefix_caching}
     if job.tensor_parallel_size > 1:
         kw |= {"tensor_parallel_size": job.tensor_parallel_size, "distributed_executor_backend": "mp"}
-    if job.disk_dir is not None:
+    if job.disk_dir is not None or {"kvport_redis", "kvport_server"} & set(job.extra_config):
         kw["kv_transfer_config"] = kv_transfer_config(job.disk_dir, job.extra_config)
     t0 = time.perf_counter()
     llm = LLM(model=job.model_dir, dtype="float32", enforce_eager=True, max_model_len=job.max_model_len,

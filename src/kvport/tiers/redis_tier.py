@@ -30,6 +30,15 @@ copies a get's last group while the next one is on the wire. A missing or short 
 evicted it under ``maxmemory``) is CorruptBlockError. TTLs (session lifetime) are set on every part
 with PX. Connection failures and timeouts are TierUnavailableError; a Redis out-of-memory answer is
 TierFullError.
+
+Durability (``wait_replicas=N``). Replication is asynchronous: a put Redis acknowledged may be lost
+when its primary dies before a replica copied it (the failover promotes a replica without it). With
+``wait_replicas`` every put ends with ``WAIT N timeout`` on the connection that wrote it (in cluster
+mode one per node the batch touched, in the same per-node pipeline as its writes), and returns only
+when N replicas hold every write; fewer (or a slot that moved to another node meanwhile, whose
+WAIT would not cover the write) and the put raises TierUnavailableError: not acknowledged, so the
+caller keeps its own copy or recomputes. A value such a put left behind is whole and checksummed
+(it may turn up later, never half). ``unacknowledged_puts`` counts them.
 """
 
 from __future__ import annotations
@@ -47,7 +56,14 @@ import numpy as np
 import redis
 import xxhash
 
-from kvport.errors import BlockNotFoundError, CorruptBlockError, TierError, TierFullError, TierUnavailableError
+from kvport.errors import (
+    BlockNotFoundError,
+    ConfigError,
+    CorruptBlockError,
+    TierError,
+    TierFullError,
+    TierUnavailableError,
+)
 from kvport.tiers import checksums
 from kvport.tiers.base import Buffer, Tier, TierCaps, byte_view, writable_view
 
@@ -138,9 +154,16 @@ def _may_name_chunks(tail: bytes) -> bool:
 class RedisTier(Tier):
     def __init__(self, url: str, *, name: str = "redis", prefix: str = "kvport:", capacity_bytes: int = 1 << 40,
                  chunk_bytes: int = DEFAULT_CHUNK, verify: bool = True, cluster: bool = False,
-                 socket_timeout_s: float = 5.0, max_value_bytes: int = 4 << 30) -> None:
+                 socket_timeout_s: float = 5.0, max_value_bytes: int = 4 << 30, wait_replicas: int = 0,
+                 wait_timeout_s: float = 1.0) -> None:
         if not 0 < chunk_bytes <= 256 << 20:
             raise TierError(f"chunk_bytes must be in (0, 256 MiB], got {chunk_bytes}")
+        if not 0 <= wait_replicas <= 16 or not 0 < wait_timeout_s < socket_timeout_s:
+            raise TierError(f"wait_replicas must be in [0, 16] and wait_timeout_s in (0, socket_timeout_s), got "
+                            f"{wait_replicas}, {wait_timeout_s}")
+        self.wait_replicas = wait_replicas
+        self._wait_ms = max(1, int(wait_timeout_s * 1000))
+        self.unacknowledged_puts = 0
         self.name = name
         self.prefix = prefix.encode()
         self.chunk_bytes = chunk_bytes
@@ -155,12 +178,25 @@ class RedisTier(Tier):
             if cluster:
                 from redis.cluster import RedisCluster
 
-                self._r: Any = RedisCluster.from_url(url, **kw)
+                self._r: Any = RedisCluster.from_url(url, connection_class=zero_copy_connection(), **kw)
             else:
                 self._r = redis.Redis.from_url(url, retry_on_timeout=False, **kw)
         except _REDIS_OR_VALUE as exc:
             raise TierUnavailableError(f"{name}: cannot connect to {url}: {exc}") from exc
         self._settle_script: Any = self._r.register_script(_SETTLE)  # no I/O: loaded on first use
+
+    @classmethod
+    def from_url(cls, url: str, *, name: str = "redis", **kw: Any) -> RedisTier:
+        """A tier from one URL, kvport's own options in its query (every other part is redis-py's)::
+
+            redis://HOST:PORT/0                              one Redis / Valkey server
+            redis://HOST:PORT/0?cluster=true                 a Redis Cluster (any node: the rest is mapped)
+            ...?cluster=true&wait_replicas=1&wait_timeout_ms=500
+                                                             every put waits for a replica (WAIT)
+
+        The one spelling ``KVPORT_REDIS_URL``, the vLLM connector's ``kvport_redis`` and the demo use."""
+        base, opts = split_url(url)
+        return cls(base, name=name, **{**opts, **kw})
 
     # ------------------------------------------------------------------ layout
     def _k(self, key: bytes) -> bytes:
@@ -248,8 +284,11 @@ class RedisTier(Tier):
                 trailers.append(self._trailer(n, h.intdigest() if self.verify else 0, version))
                 pending += _resp_set_head(n_args, head, TRAILER_BYTES) + trailers[-1] + tail
                 counts.append(2 + -(-n // cb))
+            if self.wait_replicas:  # on the connection that wrote: WAIT covers exactly these writes
+                pending += b"*3\r\n$4\r\nWAIT\r\n$%d\r\n%d\r\n$%d\r\n%d\r\n" % (
+                    len(str(self.wait_replicas)), self.wait_replicas, len(str(self._wait_ms)), self._wait_ms)
             conn.send_packed_command([pending], check_health=False)
-            for _ in range(sum(counts)):  # every reply, so the connection goes back to the pool in step
+            for _ in range(sum(counts) + (1 if self.wait_replicas else 0)):  # every reply: the pool stays in step
                 try:
                     replies.append(conn.read_response())
                 except redis.ResponseError as exc:
@@ -263,12 +302,23 @@ class RedisTier(Tier):
             if conn is not None:
                 pool.release(conn)
         self._after_put(keys, trailers, counts, replies)
+        if self.wait_replicas:
+            self._check_acks([replies[-1]], moved=False)
+
+    def _check_acks(self, acks: Sequence[Any], moved: bool) -> None:
+        """Raise when a WAIT saw fewer replicas than asked (or failed), or a slot moved under the put."""
+        short = [a for a in acks if not isinstance(a, int) or a < self.wait_replicas]
+        if short or moved:
+            self.unacknowledged_puts += 1
+            why = "a slot moved to another node during the put" if moved else \
+                f"WAIT answered {short[0]!r} of {self.wait_replicas} replicas within {self._wait_ms} ms"
+            raise TierUnavailableError(f"{self.name}: put not acknowledged by its replicas: {why}")
 
     def _put_cluster(self, keys: Sequence[bytes], srcs: Sequence[memoryview], px: int | None,
                      versions: bytes) -> None:
-        """Cluster mode: a pipeline per ~8 MiB group (each routed by slot), in the same order. A
-        one-chunk value is joined to its trailer first (a copy: a cluster pipeline sends one
-        argument per value)."""
+        """Cluster mode: a pipeline per ~8 MiB group (each routed by slot: one connection per node),
+        in the same order. A one-chunk value and its trailer go out as one argument of two buffers
+        (:class:`Joined`)."""
         cb = self.chunk_bytes
         for lo, hi in pipeline_groups([v.nbytes for v in srcs]):
             digests = checksums.xxh3_each(srcs[lo:hi]) if self.verify else [0] * (hi - lo)
@@ -280,7 +330,7 @@ class RedisTier(Tier):
                 head = self._k(key)
                 pipe.getrange(head, -TRAILER_BYTES, -1)
                 if src.nbytes <= cb:
-                    pipe.set(head, b"".join((src, trailer)), px=px)
+                    pipe.set(head, Joined(src, trailer), px=px)  # sent as the two buffers: no copy
                     counts.append(2)
                     continue
                 chunk_keys = _parse(trailer, None, cb).chunk_keys(head)
@@ -288,11 +338,24 @@ class RedisTier(Tier):
                     pipe.set(ck, src[i * cb : (i + 1) * cb], px=px)
                 pipe.set(head, trailer, px=px)
                 counts.append(2 + len(chunk_keys))
+            before = self._nodes_of(keys[lo:hi]) if self.wait_replicas else []
+            for node in {n.name: n for n in before}.values():  # after its writes, on that node's connection
+                pipe.execute_command("WAIT", self.wait_replicas, self._wait_ms, target_nodes=node)
             try:
                 replies = pipe.execute(raise_on_error=False)
             except _REDIS_ERRORS as exc:
                 raise _map(self.name, exc) from exc
             self._after_put(keys[lo:hi], trailers, counts, replies)
+            if before:  # a write redirected (MOVED/ASK) to another node is not covered by the WAITs sent
+                after = self._nodes_of(keys[lo:hi])
+                self._check_acks(replies[sum(counts):], moved=[n.name for n in after] != [n.name for n in before])
+
+    def _nodes_of(self, keys: Sequence[bytes]) -> list[Any]:
+        """The primary serving each key's slot, as the client's slot map has it now."""
+        try:
+            return [self._r.get_node_from_key(self._k(k)) for k in keys]
+        except _REDIS_ERRORS as exc:
+            raise _map(self.name, exc) from exc
 
     def _after_put(self, keys: Sequence[bytes], trailers: Sequence[bytes], counts: Sequence[int],
                    replies: Sequence[Any]) -> None:
@@ -486,6 +549,35 @@ class RedisTier(Tier):
             self._r.close()
 
 
+_URL_OPTIONS = ("cluster", "wait_replicas", "wait_timeout_ms")
+
+
+def split_url(url: str) -> tuple[str, dict[str, Any]]:
+    """``url`` without kvport's query options, and those options as RedisTier's keyword arguments;
+    ConfigError for a malformed one (a typo must not silently mean "one server, no WAIT")."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(f"a Redis URL is redis://, rediss:// or unix://, got {url!r}")
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    ours = {k: v for k, v in query if k in _URL_OPTIONS}
+    rest = [(k, v) for k, v in query if k not in _URL_OPTIONS]
+    opts: dict[str, Any] = {}
+    if "cluster" in ours:
+        if ours["cluster"].lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ConfigError(f"cluster= must be true or false in {url!r}")
+        opts["cluster"] = ours["cluster"].lower() in ("true", "1", "yes")
+    try:
+        if "wait_replicas" in ours:
+            opts["wait_replicas"] = int(ours["wait_replicas"])
+        if "wait_timeout_ms" in ours:
+            opts["wait_timeout_s"] = int(ours["wait_timeout_ms"]) / 1000
+    except ValueError:
+        raise ConfigError(f"wait_replicas= and wait_timeout_ms= must be integers in {url!r}") from None
+    return urlunsplit(parts._replace(query=urlencode(rest))), opts
+
+
 GET_GROUP_BYTES = 8 << 20  # batched gets (and cluster puts) are pipelined in groups of about this many value bytes
 _RESP_PROBE = b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n$3\r\n-40\r\n$2\r\n-1\r\n"  # a head's trailer (TRAILER_BYTES)
 
@@ -498,16 +590,64 @@ def _resp_set_head(n_args: int, name: bytes, nbytes: int) -> bytes:
     return b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (n_args, len(name), name, nbytes)
 
 
+class Joined:
+    """One command argument sent as several buffers back to back (a value and its trailer), never
+    concatenated into a new one: :func:`zero_copy_packer` writes them after one length prefix."""
+
+    __slots__ = ("nbytes", "parts")
+
+    def __init__(self, *parts: memoryview | bytes) -> None:
+        self.parts = parts
+        self.nbytes = sum(memoryview(p).nbytes for p in parts)
+
+
 def zero_copy_packer() -> Any:
     """redis-py's pure-Python command packer: values over 6000 bytes (and memoryviews) go to the
     socket as they are. With hiredis installed redis-py packs with ``hiredis.pack_command``, which
     copies every value into a new bytes object first: that copy (into fresh memory, ~1.3 GB/s here)
     was the ceiling of SET at 0.6-0.9 GB/s; zero-copy packing ran the same SETs at 1.5-3.9 GB/s.
-    Replies are still parsed by hiredis."""
+    A :class:`Joined` argument goes out as its parts. Replies are still parsed by hiredis."""
     from redis import connection
 
     encoder: Any = connection.Encoder("utf-8", "strict", False)  # type: ignore[attr-defined,no-untyped-call]
-    return connection.PythonRespSerializer(6000, encoder.encode)
+
+    class Packer(connection.PythonRespSerializer):  # type: ignore[misc]
+        def pack(self, *args: Any) -> list[Any]:
+            if not any(isinstance(a, Joined) for a in args):
+                out: list[Any] = super().pack(*args)  # type: ignore[no-untyped-call]
+                return out
+            head = tuple(args[0].encode().split()) if isinstance(args[0], str) else (args[0],)
+            buff = b"*%d\r\n" % (len(head) + len(args) - 1)
+            output: list[Any] = []
+            for arg in (*head, *args[1:]):
+                if isinstance(arg, Joined):
+                    output.append(b"%s$%d\r\n" % (buff, arg.nbytes))
+                    output.extend(arg.parts)
+                    buff = b"\r\n"
+                    continue
+                enc = self.encode(arg)
+                if isinstance(enc, memoryview) or len(enc) > 6000:
+                    output.append(b"%s$%d\r\n" % (buff, len(enc)))
+                    output.append(enc)
+                    buff = b"\r\n"
+                else:
+                    buff = b"%s$%d\r\n%s\r\n" % (buff, len(enc), enc)
+            output.append(buff)
+            return output
+
+    return Packer(6000, encoder.encode)
+
+
+@functools.cache
+def zero_copy_connection() -> type:
+    """A redis-py Connection class packing with :func:`zero_copy_packer`: how a RedisCluster's node
+    connections get it (the cluster client does not pass ``command_packer`` on to its nodes)."""
+
+    class ZeroCopyConnection(redis.connection.Connection):
+        def __init__(self, **kw: Any) -> None:
+            super().__init__(**{**kw, "command_packer": zero_copy_packer()})  # type: ignore[no-untyped-call]
+
+    return ZeroCopyConnection
 
 
 

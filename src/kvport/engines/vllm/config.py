@@ -1,12 +1,17 @@
 """The connector's configuration, parsed once from vLLM's ``kv_connector_extra_config``.
 
-Keys (all optional except a store location: a disk folder, a kvport server, or both)::
+Keys (all optional except a store location: a disk folder, Redis, a kvport server, or several)::
 
     kvport_disk_dir        folder of a kvport DiskTier shared by every engine process  (none)
     kvport_disk_capacity   "8 GiB" / bytes; the tier evicts above it                  (8 GiB)
     kvport_server          "HOST:PORT" of a ``kvport serve``: the shared tier at the
                            bottom of the store, every save written through to it;
                            its token comes from KVPORT_AUTH_TOKEN                      (none)
+    kvport_redis           a Redis URL: a Redis / Valkey server or, with ?cluster=true,
+                           a Redis Cluster (``redis://NODE:PORT/0?cluster=true``; also
+                           ``&wait_replicas=1``: a save waits for a replica) as the
+                           shared tier, below the disk folder, above a kvport server;
+                           every save is copied to it like to the server             (none)
     kvport_server_write    "behind": a save returns once the tiers above the server hold
                            it, the server's copy is written by the store's write-behind
                            thread (kvport.store.behind); "through": the save waits for
@@ -78,7 +83,8 @@ _PREFIX = "kvport_"
 _KNOWN = frozenset({
     "kvport_disk_dir", "kvport_disk_capacity", "kvport_staging_tokens", "kvport_model_revision",
     "kvport_expect_spec", "kvport_tenant_salt", "kvport_profile", "kvport_load_deadline",
-    "kvport_server", "kvport_server_tenant", "kvport_host_capacity", "kvport_save_generated", "kvport_pd_lease_s",
+    "kvport_server", "kvport_redis", "kvport_server_tenant", "kvport_host_capacity", "kvport_save_generated",
+    "kvport_pd_lease_s",
     "kvport_async_handoff", "kvport_idle_spin_ms", "kvport_server_write", "kvport_pd_inbox",
     "kvport_pd_inbox_tokens", "kvport_pd_stream", "kvport_pd_inbox_names", "kvport_pd_destinations",
 })
@@ -98,6 +104,7 @@ class ConnectorConfig:
     profile_path: Path | None = None  # calibration profile: the planner gates every lookup; None = always load
     load_deadline: DeadlinePolicy = field(default_factory=DeadlinePolicy)
     server: tuple[str, int] | None = None  # the shared tier: a kvport server
+    redis_url: str | None = None  # the shared tier: Redis or a Redis Cluster (kvport's options in its query)
     server_tenant: str = "default"
     server_write_behind: bool = True
     host_capacity_bytes: int = 0
@@ -121,9 +128,16 @@ class ConnectorConfig:
         if disk_dir is not None and (not isinstance(disk_dir, str | Path) or not str(disk_dir)):
             raise ConfigError(f"kvport_disk_dir must be a folder, got {disk_dir!r}")
         server = _server(cfg.get("kvport_server"))
-        if disk_dir is None and server is None:
-            raise ConfigError("kv_connector_extra_config needs kvport_disk_dir (a folder shared by the engines) "
-                              "or kvport_server (HOST:PORT of a kvport serve), or both")
+        redis_url = cfg.get("kvport_redis")
+        if redis_url is not None:
+            if not isinstance(redis_url, str):
+                raise ConfigError(f"kvport_redis must be a Redis URL, got {redis_url!r}")
+            from kvport.tiers.redis_tier import split_url
+
+            split_url(redis_url)  # a malformed URL or option fails at start-up, with its name
+        if disk_dir is None and server is None and redis_url is None:
+            raise ConfigError("kv_connector_extra_config needs kvport_disk_dir (a folder shared by the engines), "
+                              "kvport_redis (a Redis URL) or kvport_server (HOST:PORT of a kvport serve)")
         try:
             capacity = parse_size(cfg.get("kvport_disk_capacity", DEFAULT_DISK_CAPACITY))
             host_text = cfg.get("kvport_host_capacity", 0)
@@ -194,7 +208,7 @@ class ConnectorConfig:
             load_deadline=load_deadline,
             profile_path=None if profile is None else Path(profile).expanduser(),
             disk_dir=None if disk_dir is None else Path(disk_dir).expanduser(),
-            server=server, server_tenant=tenant, server_write_behind=write == "behind",
+            server=server, redis_url=redis_url, server_tenant=tenant, server_write_behind=write == "behind",
             host_capacity_bytes=host, save_generated=save_generated,
             pd_lease_s=float(lease), async_handoff=async_handoff,
             idle_spin_s=None if spin is None else spin / 1000.0,

@@ -192,9 +192,13 @@ def redis_checks(url: str) -> list[Check]:
                     "apt-get install -y redis-server"))
     import redis
 
+    from kvport.errors import ConfigError
+    from kvport.tiers.redis_tier import split_url
+
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1.0)
-    except ValueError as exc:  # KVPORT_REDIS_URL=bogus (the flag is checked before this)
+        base, _ = split_url(url)  # kvport's own options (cluster=, wait_replicas=) are not redis-py's
+        client = redis.Redis.from_url(base, socket_connect_timeout=0.5, socket_timeout=1.0)
+    except (ValueError, ConfigError) as exc:  # KVPORT_REDIS_URL=bogus (the flag is checked before this)
         return [server, Check("redis", Status.UNUSABLE, f"{url!r} is not a Redis URL ({_error_line(exc)})",
                               f"export KVPORT_REDIS_URL={DEFAULT_REDIS}")]
     try:

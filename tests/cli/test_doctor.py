@@ -48,6 +48,11 @@ def test_doctor_reaches_a_running_redis(redis_server: RedisServer) -> None:
     server, reach = doctor_cmd.redis_checks(redis_server.url)
     assert server.status is Status.OK
     assert reach.status is Status.OK and reach.fix is None, reach
+    # kvport's own URL options (the tier's and the connector's spelling) are not redis-py's: stripped
+    _, with_opts = doctor_cmd.redis_checks(redis_server.url + "?wait_replicas=0&wait_timeout_ms=100")
+    assert with_opts.status is Status.OK, with_opts
+    _, bad = doctor_cmd.redis_checks(redis_server.url + "?cluster=perhaps")
+    assert bad.status is Status.UNUSABLE and "cluster=" in bad.detail
 
 
 def test_a_missing_extra_is_reported_with_its_install_command(monkeypatch: pytest.MonkeyPatch) -> None:

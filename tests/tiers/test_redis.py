@@ -18,9 +18,10 @@ def _part(tier: RedisTier, key: bytes, i: int = 0) -> bytes:
 
 
 def _parts(tier: RedisTier, key: bytes) -> set[bytes]:
-    """The Redis keys of the value ``key`` holds now: its head and its chunks."""
+    """The Redis keys of the value ``key`` holds now: its head, its chunks and its pool record."""
     ver = tier._versions([key])[0]
-    return set() if ver is None else {tier._k(key), *ver.chunk_keys(tier._k(key))}
+    own = [tier._k(key) + b":own"] if tier._r.exists(tier._k(key) + b":own") else []  # puts of format 2 write it
+    return set() if ver is None else {tier._k(key), *ver.chunk_keys(tier._k(key)), *own}
 
 
 def _stored(tier: RedisTier) -> set[bytes]:
@@ -155,7 +156,7 @@ def test_overwrites_leave_no_chunks_behind(tier) -> None:  # type: ignore[no-unt
     for v in (big, other, small, big, big):  # chunked over chunked, one key over chunks, and back
         tier.put(K1, v)
         assert tier.get(K1) == v
-        assert _stored(tier) == _parts(tier, K1) and len(_parts(tier, K1)) == (1 if v is small else 4)
+        assert _stored(tier) == _parts(tier, K1) and len(_parts(tier, K1)) == (1 if v is small else 4) + 1  # + its own record
     assert tier.delete(K1) and _stored(tier) == set()
 
 
@@ -181,7 +182,7 @@ def test_format_1_values_read_as_before(tier) -> None:  # type: ignore[no-untype
     assert tier.get_many_into([(K2, outs[1])]) == [None]
     assert _stored(tier) == _parts(tier, K1)  # K2 dropped, head and chunk
     tier.put(K1, b"now format 2")
-    assert tier.get(K1) == b"now format 2" and _stored(tier) == {tier._k(K1)}
+    assert tier.get(K1) == b"now format 2" and _stored(tier) == {tier._k(K1), tier._k(K1) + b":own"}
 
 
 @pytest.fixture()

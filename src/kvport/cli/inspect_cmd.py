@@ -15,6 +15,12 @@
                                                  ownership moves -- blocks acquired, from whom, when, the
                                                  transfer id, handed to the pool or forgotten since
     kvport inspect --handoff ADDR --owners ab12  only the moves of blocks whose key starts with that hex
+    kvport inspect --redis URL [--owners X | --leaks]
+                                                 the same answers for a Redis (Cluster) shared tier, from
+                                                 the pool's records kept in it (kvport.tiers.redis_book):
+                                                 who handed each block over, its lifetime, parent, TTL,
+                                                 pins and leases; blocks without a record, records
+                                                 without a block, children without their parent
 
 A tenant sees its own blocks only; an admin tenant sees all. ``--json`` prints the typed answer.
 """
@@ -140,6 +146,20 @@ def _inspect_handoff(address: str, limit: int, owners: str | None, as_json: bool
     Console().print(t)
 
 
+def _ask_redis(url: str, query: tuple[tuple[bytes, ...], str] | None, leaks: bool) -> OwnersAnswer | LeaksAnswer:
+    """Owners (``query``) or leaks of a Redis shared tier, from its pool records."""
+    from kvport.tiers.redis_tier import RedisTier
+
+    if query is None and not leaks:
+        raise UserInputError("--redis answers --owners KEY|PREFIX or --leaks (usage is Redis's own: INFO)")
+    tier = RedisTier.from_url(url, name="redis")
+    try:
+        assert tier.book is not None
+        return tier.book.owners(*query) if query is not None else tier.book.leaks()
+    finally:
+        tier.close()
+
+
 def _check_ca(path: str) -> None:
     """A CA file that does not load is the flag's error (the client would raise ssl's own on connect)."""
     try:
@@ -150,6 +170,8 @@ def _check_ca(path: str) -> None:
 
 @click.command(name="inspect")
 @click.option("--server", "server", default=None, help="HOST:PORT of a running kvport server")
+@click.option("--redis", "redis_url", default=None, metavar="URL",
+              help="a Redis or Redis Cluster shared tier (redis://H:P/0, ?cluster=true): its pool records")
 @click.option("--handoff", "handoff", default=None, metavar="ADDR",
               help="an engine's hand-off inbox (HOST:PORT or shm:NAME): its ledger's newest ownership moves")
 @click.option("--limit", default=MAX_RECORDS, show_default=True, type=click.IntRange(1, MAX_RECORDS),
@@ -162,33 +184,38 @@ def _check_ca(path: str) -> None:
               help="who holds a block (32 hex digits: it and the prefix it ends) or every block with that hex prefix")
 @click.option("--leaks", "leaks", is_flag=True, help="pins/leases past their TTL, blocks without owner or parent")
 @click.option("--json", "as_json", is_flag=True, help="print the answer as JSON")
-def inspect_cmd(server: str | None, handoff: str | None, limit: int, tenant: str, token: str | None, tls: bool,
-                tls_ca: str | None, owners: str | None, leaks: bool, as_json: bool) -> None:
+def inspect_cmd(server: str | None, redis_url: str | None, handoff: str | None, limit: int, tenant: str,
+                token: str | None, tls: bool, tls_ca: str | None, owners: str | None, leaks: bool,
+                as_json: bool) -> None:
     """Show a running server's usage, tenants, top prefixes, pins and leases; or owners; or leaks.
-    With --handoff, an engine's hand-off ledger instead."""
-    if (server is None) == (handoff is None):
-        raise UserInputError("give one of --server HOST:PORT (a kvport server) or --handoff ADDR (an engine's inbox)")
+    With --redis, owners or leaks of a Redis shared tier; with --handoff, an engine's hand-off ledger."""
+    if sum(x is not None for x in (server, redis_url, handoff)) != 1:
+        raise UserInputError("give one of --server HOST:PORT (a kvport server), --redis URL (a Redis shared tier) "
+                             "or --handoff ADDR (an engine's inbox)")
     if handoff is not None:
         _inspect_handoff(handoff, limit, owners, as_json)
         return
-    assert server is not None
-    host, port = parse_listen(server, "--server")
     query = _owner_query(owners) if owners is not None else None
-    if tls_ca is not None:
-        _check_ca(tls_ca)
-    cfg = ClientConfig(host=host, port=port, tenant=tenant, token=token or Settings.from_env().auth_token,
-                       tls=tls, tls_ca=Path(tls_ca) if tls_ca else None, pool_size=1, retries=1)
-    tier = RemoteTier(cfg, name="server")
-    try:
-        answer: StatsAnswer | OwnersAnswer | LeaksAnswer
-        if query is not None:
-            answer = tier.owners(*query)
-        elif leaks:
-            answer = tier.leaks()
-        else:
-            answer = tier.stats()
-    finally:
-        tier.close()
+    answer: StatsAnswer | OwnersAnswer | LeaksAnswer
+    if redis_url is not None:
+        answer = _ask_redis(redis_url, query, leaks)
+    else:
+        assert server is not None
+        host, port = parse_listen(server, "--server")
+        if tls_ca is not None:
+            _check_ca(tls_ca)
+        cfg = ClientConfig(host=host, port=port, tenant=tenant, token=token or Settings.from_env().auth_token,
+                           tls=tls, tls_ca=Path(tls_ca) if tls_ca else None, pool_size=1, retries=1)
+        tier = RemoteTier(cfg, name="server")
+        try:
+            if query is not None:
+                answer = tier.owners(*query)
+            elif leaks:
+                answer = tier.leaks()
+            else:
+                answer = tier.stats()
+        finally:
+            tier.close()
     con = Console()
     if as_json:
         click.echo(json.dumps(answer.to_meta(), indent=2, default=lambda b: b.hex() if isinstance(b, bytes) else b))

@@ -12,7 +12,8 @@
               + server=ClientConfig(...)           --> RemoteTier          (the kvport server: the pool)
                 + server_write=THROUGH | BEHIND                            (every put copied to it)
     open_store(cfg, ledger) -> TieredStore(tiers top-down, ledger, eviction policy)
-    open_port(cfg, ledger)  -> OpenedStore(store, server: the RemoteTier or None)
+    open_port(cfg, ledger)  -> OpenedStore(store, server: the RemoteTier or None,
+                                           book: the Redis tier's pool records or None)
 
 The store decides placement, eviction (prefix-aware), promotion and lifetimes; its ledger records
 what the pool owns. What an engine needs from it: ``lookup`` (longest cached prefix),
@@ -32,6 +33,7 @@ from kvport.errors import ConfigError
 from kvport.ledger import Ledger
 from kvport.store import TieredStore, TierPolicy, WriteMode
 from kvport.tiers.base import Tier
+from kvport.tiers.redis_book import PoolBook
 
 SERVER_TIER = "shared"  # the kvport server's tier, in the store's names (tier labels of its metrics)
 
@@ -74,6 +76,12 @@ class OpenedStore:
 
     store: TieredStore
     server: RemoteTier | None
+    book: PoolBook | None = None  # the Redis tier's pool records (leases, pins: kvport.tiers.redis_book)
+
+    @property
+    def pool(self) -> RemoteTier | PoolBook | None:
+        """Where hand-offs are leased: the server's tier, else the Redis tier's book (None: neither)."""
+        return self.server if self.server is not None else self.book
 
 
 def open_store(cfg: StoreConfig, ledger: Ledger | None = None) -> TieredStore:
@@ -85,6 +93,7 @@ def open_port(cfg: StoreConfig, ledger: Ledger | None = None) -> OpenedStore:
     """:func:`open_store`, and the server's tier it holds (None without ``cfg.server``)."""
     tiers: list[Tier] = []
     server: RemoteTier | None = None
+    book: PoolBook | None = None
     try:
         if cfg.host_bytes:
             from kvport.tiers.host import HostTier
@@ -98,7 +107,9 @@ def open_port(cfg: StoreConfig, ledger: Ledger | None = None) -> OpenedStore:
         if cfg.redis_url is not None:
             from kvport.tiers.redis_tier import RedisTier
 
-            tiers.append(RedisTier.from_url(cfg.redis_url, name="redis"))
+            redis_tier = RedisTier.from_url(cfg.redis_url, name="redis")
+            tiers.append(redis_tier)
+            book = redis_tier.book
         if cfg.server is not None:
             server = RemoteTier(cfg.server, name=SERVER_TIER)
             tiers.append(server)
@@ -111,7 +122,7 @@ def open_port(cfg: StoreConfig, ledger: Ledger | None = None) -> OpenedStore:
         unknown = set(policies) - {t.name for t in tiers}
         if unknown:
             raise ConfigError(f"write_through / write_behind name tiers this store does not have: {sorted(unknown)}")
-        return OpenedStore(TieredStore(tiers, ledger, eviction=cfg.eviction, tier_policies=policies), server)
+        return OpenedStore(TieredStore(tiers, ledger, eviction=cfg.eviction, tier_policies=policies), server, book)
     except BaseException:
         for t in tiers:
             t.close()

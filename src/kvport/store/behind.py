@@ -231,7 +231,7 @@ class StoreCopy:
                     continue
                 meta, ttl = m.block_meta(), self._mover.native_ttl(t, m)
             try:  # outside the lock
-                if t.caps.block_meta:
+                if t.caps.block_meta or t.caps.pool_records:
                     t.put_block(key, (view[:n],), meta, ttl_s=ttl)
                 else:
                     t.put(key, view[:n], ttl_s=ttl)

@@ -108,7 +108,7 @@ class Mover:
         ttl = self.native_ttl(t, m)
         while True:
             try:
-                if t.caps.block_meta or len(parts) != 1:
+                if t.caps.block_meta or t.caps.pool_records or len(parts) != 1:
                     t.put_block(key, parts, m.block_meta(), ttl_s=ttl)
                 else:
                     t.put(key, parts[0], ttl_s=ttl)
@@ -135,7 +135,11 @@ class Mover:
             raise TierFullError(f"{name}: no room to keep {len(srcs)} blocks through a graceful shutdown")
         self.make_room(name, sum(charges))
         try:
-            t.put_many(srcs, ttl_s=self.native_ttl(t, self._records[srcs[0][0]]))
+            ttl = self.native_ttl(t, self._records[srcs[0][0]])
+            if t.caps.pool_records:
+                t.put_many_meta(srcs, [self._records[k].block_meta() for k, _ in srcs], ttl_s=ttl)
+            else:
+                t.put_many(srcs, ttl_s=ttl)
         except TierUnavailableError as exc:
             self._health.mark_broken(t, exc)
             raise

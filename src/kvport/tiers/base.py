@@ -63,6 +63,8 @@ class TierCaps:
     native_ttl:      the backend expires values itself (Redis); otherwise the store expires them.
     device:          the values live in accelerator memory.
     block_meta:      ``put_block`` keeps or forwards the BlockMeta and ``records()`` gives it back.
+    pool_records:    ``put_block`` and ``put_many_meta`` keep the pool's record of each value beside it
+                     (Redis: who handed it over, its lifetime and parent).
     """
 
     persistent: bool
@@ -73,6 +75,7 @@ class TierCaps:
     native_ttl: bool = False
     device: bool = False
     block_meta: bool = False
+    pool_records: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +247,12 @@ class Tier(abc.ABC):
         """Put every item; stops at the first error (items before it stay stored)."""
         for key, data in items:
             self.put(key, data, ttl_s=ttl_s)
+
+    def put_many_meta(self, items: Sequence[tuple[bytes, Buffer]], metas: Sequence[BlockMeta | None], *,
+                      ttl_s: float | None = None) -> None:
+        """:meth:`put_many` with each value's BlockMeta, for a tier that keeps the pool's records
+        (``caps.pool_records``); the others ignore it."""
+        self.put_many(items, ttl_s=ttl_s)
 
     def get_many_into(self, items: Sequence[tuple[bytes, Buffer]]) -> list[int | None]:
         """Get each key into its buffer; None for a key that is missing or failed its check.

@@ -7,6 +7,7 @@ a failed put leaves nothing behind, like the real failure it imitates.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 from kvport.errors import TierError
@@ -17,7 +18,7 @@ class FaultTier(Tier):
     def __init__(self, inner: Tier) -> None:
         self.inner = inner
         self.name = inner.name
-        self.caps = inner.caps
+        self.caps = dataclasses.replace(inner.caps, pool_records=False)  # put_many takes no metas here
         self._faults: dict[str, tuple[TierError, int | None]] = {}
 
     def arm(self, op: str, error: TierError, times: int | None = None) -> None:

@@ -65,7 +65,8 @@ from kvport.errors import (
     TierUnavailableError,
 )
 from kvport.tiers import checksums
-from kvport.tiers.base import Buffer, Tier, TierCaps, byte_view, writable_view
+from kvport.tiers.base import BlockMeta, Buffer, Tier, TierCaps, byte_view, writable_view
+from kvport.tiers.redis_book import PoolBook
 
 _TRAILER = struct.Struct("<4sIQQQQ")  # magic, format 2, chunk (0: inline), length, xxh3_64, version
 TRAILER_BYTES = _TRAILER.size  # 40
@@ -155,7 +156,7 @@ class RedisTier(Tier):
     def __init__(self, url: str, *, name: str = "redis", prefix: str = "kvport:", capacity_bytes: int = 1 << 40,
                  chunk_bytes: int = DEFAULT_CHUNK, verify: bool = True, cluster: bool = False,
                  socket_timeout_s: float = 5.0, max_value_bytes: int = 4 << 30, wait_replicas: int = 0,
-                 wait_timeout_s: float = 1.0) -> None:
+                 wait_timeout_s: float = 1.0, records: bool = True, client: str | None = None) -> None:
         if not 0 < chunk_bytes <= 256 << 20:
             raise TierError(f"chunk_bytes must be in (0, 256 MiB], got {chunk_bytes}")
         if not 0 <= wait_replicas <= 16 or not 0 < wait_timeout_s < socket_timeout_s:
@@ -171,7 +172,7 @@ class RedisTier(Tier):
         self.cluster = cluster
         self._capacity = capacity_bytes
         self.caps = TierCaps(persistent=True, shared=True, zero_copy_read=False, max_value_bytes=max_value_bytes,
-                             native_ttl=True)
+                             native_ttl=True, pool_records=records)
         kw: dict[str, Any] = {"socket_timeout": socket_timeout_s, "socket_connect_timeout": min(1.0, socket_timeout_s),
                               "command_packer": zero_copy_packer()}
         try:
@@ -184,6 +185,8 @@ class RedisTier(Tier):
         except _REDIS_OR_VALUE as exc:
             raise TierUnavailableError(f"{name}: cannot connect to {url}: {exc}") from exc
         self._settle_script: Any = self._r.register_script(_SETTLE)  # no I/O: loaded on first use
+        # the pool's records (hand-offs, leases, pins) beside the values: kvport.tiers.redis_book
+        self.book: PoolBook | None = PoolBook(self, client) if records else None
 
     @classmethod
     def from_url(cls, url: str, *, name: str = "redis", **kw: Any) -> RedisTier:
@@ -193,6 +196,8 @@ class RedisTier(Tier):
             redis://HOST:PORT/0?cluster=true                 a Redis Cluster (any node: the rest is mapped)
             ...?cluster=true&wait_replicas=1&wait_timeout_ms=500
                                                              every put waits for a replica (WAIT)
+            ...?client=prefill-0                             the name this client's pool records carry
+                                                             (default host:pid); records=false: none
 
         The one spelling ``KVPORT_REDIS_URL``, the vLLM connector's ``kvport_redis`` and the demo use."""
         base, opts = split_url(url)
@@ -219,8 +224,10 @@ class RedisTier(Tier):
     def _settle(self, key: bytes, ver: _Version, mode: str) -> bool:
         """``_SETTLE`` for one version of ``key`` (one slot: every key under its hash tag)."""
         head = self._k(key)
+        own = [head + b":own"] if mode == "drop" and self.book is not None else []  # the record goes with it
         try:
-            return bool(self._settle_script(keys=[head, *ver.chunk_keys(head)], args=[ver.tail, ver.strlen, mode]))
+            return bool(self._settle_script(keys=[head, *ver.chunk_keys(head), *own],
+                                            args=[ver.tail, ver.strlen, mode]))
         except _REDIS_ERRORS as exc:
             raise _map(self.name, exc) from exc
 
@@ -232,13 +239,24 @@ class RedisTier(Tier):
     def put(self, key: bytes, data: Buffer, *, ttl_s: float | None = None) -> None:
         self.put_many([(key, data)], ttl_s=ttl_s)
 
+    def put_block(self, key: bytes, parts: Sequence[Buffer], meta: BlockMeta, *, ttl_s: float | None = None) -> None:
+        data = parts[0] if len(parts) == 1 else b"".join(byte_view(p) for p in parts)
+        self.put_many_meta([(key, data)], [meta], ttl_s=ttl_s)
+
     def put_many(self, items: Sequence[tuple[bytes, Buffer]], *, ttl_s: float | None = None) -> None:
+        self.put_many_meta(items, [None] * len(items), ttl_s=ttl_s)
+
+    def put_many_meta(self, items: Sequence[tuple[bytes, Buffer]], metas: Sequence[BlockMeta | None], *,
+                      ttl_s: float | None = None) -> None:
         """Per value: probe its head, write its chunks (if over one chunk), then its head; replies
         are read at the end, like a pipeline's; then the chunks of replaced versions are deleted.
         Each SET goes straight to the socket (its bytes handed over as they are) and the value is
         hashed right after, while it is still in cache from that copy; its trailer goes last. (A
         redis-py pipeline packs everything before sending anything, so the hash had to read every
-        value from RAM once more beside it: 0.6-0.7 of this speed here.)"""
+        value from RAM once more beside it: 0.6-0.7 of this speed here.) With the pool's records
+        (``records=True``), each value's ``own`` record (who handed it to the pool, its lifetime and
+        parent from ``metas``) is written just before its head, with the same TTL: a head is only
+        visible with its record beside it."""
         srcs = [byte_view(d) for _, d in items]
         keys = [k for k, _ in items]
         for v in srcs:
@@ -248,8 +266,9 @@ class RedisTier(Tier):
             return
         px = None if ttl_s is None else max(1, int(ttl_s * 1000))
         versions = os.urandom(8 * len(items))  # not random.*: forked writers would share its state
+        own = [] if self.book is None else self.book.own_records(keys, metas, px)
         if self.cluster:
-            return self._put_cluster(keys, srcs, px, versions)
+            return self._put_cluster(keys, srcs, px, versions, own)
         pool = self._r.connection_pool
         conn: Any = None
         replies: list[Any] = []
@@ -264,13 +283,17 @@ class RedisTier(Tier):
             for j, (key, src) in enumerate(zip(keys, srcs, strict=True)):
                 head, n, version = self._k(key), src.nbytes, versions[8 * j : 8 * j + 8]
                 pending += _RESP_PROBE % (len(head), head)
+                extra = 0
+                if own:  # the value's own record, just before its head
+                    pending += _resp_set(*own[j])
+                    extra = 1
                 if n <= cb:  # one key: payload | trailer
                     conn.send_packed_command([pending + _resp_set_head(n_args, head, n + TRAILER_BYTES), src],
                                              check_health=j == 0)
                     digest = xxhash.xxh3_64_intdigest(src) if self.verify else 0  # still in cache
                     trailers.append(self._trailer(n, digest, version))
                     pending = trailers[-1] + tail
-                    counts.append(2)
+                    counts.append(2 + extra)
                     continue
                 h = xxhash.xxh3_64()
                 tag = b"%016x:" % int.from_bytes(version, "little")
@@ -283,7 +306,7 @@ class RedisTier(Tier):
                         h.update(part)
                 trailers.append(self._trailer(n, h.intdigest() if self.verify else 0, version))
                 pending += _resp_set_head(n_args, head, TRAILER_BYTES) + trailers[-1] + tail
-                counts.append(2 + -(-n // cb))
+                counts.append(2 + extra + -(-n // cb))
             if self.wait_replicas:  # on the connection that wrote: WAIT covers exactly these writes
                 pending += b"*3\r\n$4\r\nWAIT\r\n$%d\r\n%d\r\n$%d\r\n%d\r\n" % (
                     len(str(self.wait_replicas)), self.wait_replicas, len(str(self._wait_ms)), self._wait_ms)
@@ -315,7 +338,7 @@ class RedisTier(Tier):
             raise TierUnavailableError(f"{self.name}: put not acknowledged by its replicas: {why}")
 
     def _put_cluster(self, keys: Sequence[bytes], srcs: Sequence[memoryview], px: int | None,
-                     versions: bytes) -> None:
+                     versions: bytes, own: Sequence[tuple[bytes, bytes, int | None]]) -> None:
         """Cluster mode: a pipeline per ~8 MiB group (each routed by slot: one connection per node),
         in the same order. A one-chunk value and its trailer go out as one argument of two buffers
         (:class:`Joined`)."""
@@ -326,18 +349,23 @@ class RedisTier(Tier):
                         for j in range(lo, hi)]
             pipe = self._pipe()
             counts: list[int] = []
-            for key, src, trailer in zip(keys[lo:hi], srcs[lo:hi], trailers, strict=True):
+            for j, (key, src, trailer) in enumerate(zip(keys[lo:hi], srcs[lo:hi], trailers, strict=True), lo):
                 head = self._k(key)
                 pipe.getrange(head, -TRAILER_BYTES, -1)
+                extra = 0
+                if own:  # the value's own record, just before its head (one slot: the head's tag)
+                    name, value, opx = own[j]
+                    pipe.set(name, value, px=opx)
+                    extra = 1
                 if src.nbytes <= cb:
                     pipe.set(head, Joined(src, trailer), px=px)  # sent as the two buffers: no copy
-                    counts.append(2)
+                    counts.append(2 + extra)
                     continue
                 chunk_keys = _parse(trailer, None, cb).chunk_keys(head)
                 for i, ck in enumerate(chunk_keys):
                     pipe.set(ck, src[i * cb : (i + 1) * cb], px=px)
                 pipe.set(head, trailer, px=px)
-                counts.append(2 + len(chunk_keys))
+                counts.append(2 + extra + len(chunk_keys))
             before = self._nodes_of(keys[lo:hi]) if self.wait_replicas else []
             for node in {n.name: n for n in before}.values():  # after its writes, on that node's connection
                 pipe.execute_command("WAIT", self.wait_replicas, self._wait_ms, target_nodes=node)
@@ -361,8 +389,9 @@ class RedisTier(Tier):
                    replies: Sequence[Any]) -> None:
         """Delete the chunks of the versions these puts replaced, and every part of a put that
         failed; then raise the first failure. Each value's replies (``counts``): probe, chunk SETs,
-        head SET."""
+        head SET (the own record before it, with the pool's records)."""
         first: Exception | None = None
+        plain = 2 + (self.book is not None)  # replies of a value without chunks
         at = 0
         for key, trailer, took in zip(keys, trailers, counts, strict=True):
             probe, writes = replies[at], replies[at + 1 : at + took]
@@ -374,7 +403,7 @@ class RedisTier(Tier):
                     else None
                 if old is not None and old.n_chunks:
                     self._settle(key, old, "gc")
-                if failed is not None and took > 2:
+                if failed is not None and took > plain:
                     ours = _parse(trailer, None, self.chunk_bytes)
                     if not self._settle(key, ours, "drop"):
                         self._settle(key, ours, "gc")
@@ -549,7 +578,8 @@ class RedisTier(Tier):
             self._r.close()
 
 
-_URL_OPTIONS = ("cluster", "wait_replicas", "wait_timeout_ms")
+_URL_OPTIONS = ("cluster", "wait_replicas", "wait_timeout_ms", "records", "client")
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 def split_url(url: str) -> tuple[str, dict[str, Any]]:
@@ -564,10 +594,16 @@ def split_url(url: str) -> tuple[str, dict[str, Any]]:
     ours = {k: v for k, v in query if k in _URL_OPTIONS}
     rest = [(k, v) for k, v in query if k not in _URL_OPTIONS]
     opts: dict[str, Any] = {}
-    if "cluster" in ours:
-        if ours["cluster"].lower() not in ("true", "false", "1", "0", "yes", "no"):
-            raise ConfigError(f"cluster= must be true or false in {url!r}")
-        opts["cluster"] = ours["cluster"].lower() in ("true", "1", "yes")
+    for flag in ("cluster", "records"):
+        if flag in ours:
+            if ours[flag].lower() not in _BOOLS:
+                raise ConfigError(f"{flag}= must be true or false in {url!r}")
+            opts[flag] = _BOOLS[ours[flag].lower()]
+    if "client" in ours:
+        name = ours["client"]
+        if not 0 < len(name) <= 128 or any(c in name for c in "{}\r\n"):
+            raise ConfigError(f"client= must name this client in 1-128 characters without braces in {url!r}")
+        opts["client"] = name
     try:
         if "wait_replicas" in ours:
             opts["wait_replicas"] = int(ours["wait_replicas"])
@@ -580,6 +616,12 @@ def split_url(url: str) -> tuple[str, dict[str, Any]]:
 
 GET_GROUP_BYTES = 8 << 20  # batched gets (and cluster puts) are pipelined in groups of about this many value bytes
 _RESP_PROBE = b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n$3\r\n-40\r\n$2\r\n-1\r\n"  # a head's trailer (TRAILER_BYTES)
+
+
+def _resp_set(name: bytes, value: bytes, px: int | None) -> bytes:
+    """``SET name value [PX ms]`` in RESP, whole (small values: the pool's records)."""
+    args = [b"SET", name, value] + ([] if px is None else [b"PX", b"%d" % px])
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
 def _resp_set_head(n_args: int, name: bytes, nbytes: int) -> bytes:

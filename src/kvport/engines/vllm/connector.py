@@ -270,7 +270,7 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
                         self._kv_transfer_config.kv_load_failure_policy)
         opened = open_connector_store(self.cfg, self.spec)
         self.store = opened.store
-        self.shared = opened.server  # the kvport server's tier: hand-offs are leased there
+        self.shared = opened.pool  # the kvport server's tier, else Redis's pool records: hand-offs are leased there
         # keys chain from the model at TP width 1; each rank stores its heads under their own keys
         # (keys.head_keys): the scheduler's plan names the chain, a worker maps it to its rank's keys
         self.key_context = KeyContext(block_size=self.spec.block_size,

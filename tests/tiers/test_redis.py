@@ -156,7 +156,7 @@ def test_overwrites_leave_no_chunks_behind(tier) -> None:  # type: ignore[no-unt
     for v in (big, other, small, big, big):  # chunked over chunked, one key over chunks, and back
         tier.put(K1, v)
         assert tier.get(K1) == v
-        assert _stored(tier) == _parts(tier, K1) and len(_parts(tier, K1)) == (1 if v is small else 4) + 1  # + its own record
+        assert _stored(tier) == _parts(tier, K1) and len(_parts(tier, K1)) == (1 if v is small else 4) + 1  # + own
     assert tier.delete(K1) and _stored(tier) == set()
 
 

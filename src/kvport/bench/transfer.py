@@ -53,6 +53,7 @@ from kvport.bench.transfer_load import SleepCompute, layerwise_overlap, overload
 from kvport.config import Settings
 from kvport.errors import UserInputError
 from kvport.evidence.limits import memcpy_gbps, raw_socket_gbps
+from kvport.evidence.netlink import in_netns
 from kvport.evidence.timing import gbps, ratio
 from kvport.spec import DType, KVSpec, from_hf_config, from_preset
 from kvport.transfer import BlockTableDestination, Receiver, Sender, TransferMeta
@@ -73,14 +74,14 @@ def _keys(n: int) -> tuple[bytes, ...]:
 
 
 # ---------------------------------------------------------------------- child process (receiver)
-def _child(kind: str, where: int | str, nbytes: int) -> None:
+def _child(kind: str, where: int | str, nbytes: int, host: str = "127.0.0.1", secret: bytes | None = None) -> None:
     spec = _spec()
     nb = nbytes // spec.bytes_per_block
     dst = np.zeros((nb, spec.bytes_per_block), dtype=np.uint8)  # allocated and faulted once, reused
     if kind == "tcp":
-        raw = socket.create_connection(("127.0.0.1", int(where)))
+        raw = socket.create_connection((host, int(where)))
         tcp_mod.tune(raw)
-        t: Any = tcp_mod.connect("127.0.0.1", int(where), timeout_s=120)
+        t: Any = tcp_mod.connect(host, int(where), secret=secret, timeout_s=120)
     else:
         raw = None
         t = shm_mod.connect(str(where), timeout_s=120)
@@ -116,10 +117,13 @@ def _median_gbps(nbytes: int, times: list[float]) -> float | None:
 
 
 @contextlib.contextmanager
-def _receiver_child(kind: str, listener: Any, where: int | str, nbytes: int) -> Iterator[None]:
-    """The receiving child process for the duration; the listener is closed and the child reaped after."""
-    proc = mp.get_context("spawn").Process(target=_child, args=(kind, where, nbytes), daemon=True)
-    proc.start()
+def _receiver_child(kind: str, listener: Any, where: int | str, nbytes: int, host: str = "127.0.0.1",
+                    secret: bytes | None = None, netns: str | None = None) -> Iterator[None]:
+    """The receiving child process for the duration (in network namespace ``netns``: the other host
+    of an emulated link); the listener is closed and the child reaped after."""
+    proc = mp.get_context("spawn").Process(target=_child, args=(kind, where, nbytes, host, secret), daemon=True)
+    with contextlib.nullcontext() if netns is None else in_netns(netns):  # the child inherits it
+        proc.start()
     try:
         yield
     finally:
@@ -129,11 +133,14 @@ def _receiver_child(kind: str, listener: Any, where: int | str, nbytes: int) -> 
             proc.kill()
 
 
-def _tcp(nbytes: int, trials: int) -> dict[str, Any]:
+def _tcp(nbytes: int, trials: int, host: str = "127.0.0.1", secret: bytes | None = None,
+         netns: str | None = None) -> dict[str, Any]:
+    """kvport's TCP transfer against raw sockets, this process sending: on loopback, or (``host``,
+    ``netns``) from this process's namespace to a child in ``netns`` across an emulated link."""
     spec = _spec()
     nb = nbytes // spec.bytes_per_block
-    listener = tcp_mod.TcpListener()
-    with _receiver_child("tcp", listener, listener.port, nbytes):
+    listener = tcp_mod.TcpListener(host, secret=secret)
+    with _receiver_child("tcp", listener, listener.port, nbytes, host, secret, netns):
         listener.sock.settimeout(60)
         raw, _ = listener.sock.accept()
         tcp_mod.tune(raw)

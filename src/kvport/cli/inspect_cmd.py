@@ -17,7 +17,7 @@
     kvport inspect --handoff ADDR --owners ab12  only the moves of blocks whose key starts with that hex
     kvport inspect --redis URL [--owners X | --leaks]
                                                  the same answers for a Redis (Cluster) shared tier, from
-                                                 the pool's records kept in it (kvport.tiers.redis_book):
+                                                 the pool's records kept in it (kvport.client.redis_pool):
                                                  who handed each block over, its lifetime, parent, TTL,
                                                  pins and leases; blocks without a record, records
                                                  without a block, children without their parent
@@ -39,6 +39,7 @@ from rich.table import Table
 
 from kvport.cli.serve_cmd import parse_listen
 from kvport.client.conn import ClientConfig
+from kvport.client.redis_pool import PoolBook
 from kvport.client.remote import RemoteTier
 from kvport.config import Settings
 from kvport.errors import UserInputError
@@ -154,8 +155,8 @@ def _ask_redis(url: str, query: tuple[tuple[bytes, ...], str] | None, leaks: boo
         raise UserInputError("--redis answers --owners KEY|PREFIX or --leaks (usage is Redis's own: INFO)")
     tier = RedisTier.from_url(url, name="redis")
     try:
-        assert tier.book is not None
-        return tier.book.owners(*query) if query is not None else tier.book.leaks()
+        book = PoolBook(tier)
+        return book.owners(*query) if query is not None else book.leaks()
     finally:
         tier.close()
 

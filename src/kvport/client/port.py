@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvport.client.conn import ClientConfig
+from kvport.client.redis_pool import PoolBook
 from kvport.client.remote import RemoteTier
 from kvport.errors import ConfigError
 from kvport.ledger import Ledger
 from kvport.store import TieredStore, TierPolicy, WriteMode
 from kvport.tiers.base import Tier
-from kvport.tiers.redis_book import PoolBook
 
 SERVER_TIER = "shared"  # the kvport server's tier, in the store's names (tier labels of its metrics)
 
@@ -76,7 +76,7 @@ class OpenedStore:
 
     store: TieredStore
     server: RemoteTier | None
-    book: PoolBook | None = None  # the Redis tier's pool records (leases, pins: kvport.tiers.redis_book)
+    book: PoolBook | None = None  # the Redis tier's pool records (leases, pins: kvport.client.redis_pool)
 
     @property
     def pool(self) -> RemoteTier | PoolBook | None:
@@ -109,7 +109,7 @@ def open_port(cfg: StoreConfig, ledger: Ledger | None = None) -> OpenedStore:
 
             redis_tier = RedisTier.from_url(cfg.redis_url, name="redis")
             tiers.append(redis_tier)
-            book = redis_tier.book
+            book = PoolBook(redis_tier) if redis_tier.keeps_records else None
         if cfg.server is not None:
             server = RemoteTier(cfg.server, name=SERVER_TIER)
             tiers.append(server)

@@ -175,6 +175,7 @@ def _client(extra: dict[str, Any], name: str) -> dict[str, Any]:
 
 def _pool_report(url: str) -> dict[str, Any]:
     """What the engines left in the Redis pool, from its records: blocks, who handed them over, leaks."""
+    from kvport.client.redis_pool import PoolBook
     from kvport.tiers.redis_tier import RedisTier
 
     try:
@@ -182,10 +183,10 @@ def _pool_report(url: str) -> dict[str, Any]:
     except KVPortError as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     try:
-        assert tier.book is not None
+        book = PoolBook(tier)
         keys = list(tier.keys())
-        rows = tier.book.owners(keys).blocks if len(keys) > 1 else tier.book.owners(prefix="").blocks
-        leaks = tier.book.leaks()
+        rows = book.owners(keys).blocks if len(keys) > 1 else book.owners(prefix="").blocks
+        leaks = book.leaks()
         by: dict[str, int] = {}
         for r in rows:
             by[r.handed_off_by or "(none)"] = by.get(r.handed_off_by or "(none)", 0) + 1

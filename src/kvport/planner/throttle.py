@@ -11,19 +11,24 @@ Request header (little endian, 25 bytes)::
 
 PUT is followed by ``length`` bytes; GET is answered by ``length`` bytes; PING by one byte. The peer
 holds one preallocated buffer of ``capacity`` bytes and closes the connection on any range outside it
-(no allocation ever follows a length read from the socket). It listens on 127.0.0.1 only.
+(no allocation ever follows a length read from the socket). It listens on 127.0.0.1, or (``link=``)
+across an emulated link (:mod:`kvport.evidence.netlink`): this process listens in the link's first
+namespace, the peer process runs in the second, and the connection is authenticated with a secret
+made for it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import struct
 import time
 
 import numpy as np
 
 from kvport.errors import PeerError, PlanInputError
+from kvport.evidence.netlink import ShapedLink, in_netns
 from kvport.transfer.ratelimit import RateLimited, TokenBucket
 from kvport.transfer.tcp import TcpListener, TcpTransport, connect
 
@@ -37,10 +42,10 @@ def chunk_for(rate: float) -> int:
     return int(min(_MAX_CHUNK, max(_MIN_CHUNK, rate * 0.005)))
 
 
-def _serve(port: int, capacity: int) -> None:  # runs in the peer process
+def _serve(port: int, capacity: int, host: str = "127.0.0.1", secret: bytes | None = None) -> None:  # the peer
     buf = np.zeros(capacity, dtype=np.uint8)
     mv = memoryview(buf.data).cast("B")
-    t = connect("127.0.0.1", port, timeout_s=None)
+    t = connect(host, port, secret=secret, timeout_s=None)
     hdr = bytearray(_HDR.size)
     try:
         while True:
@@ -73,14 +78,18 @@ def _serve(port: int, capacity: int) -> None:  # runs in the peer process
 class LoopbackPeer:
     """Owner of the peer process and the one connection to it. Not thread-safe: one request at a time."""
 
-    def __init__(self, capacity: int, *, start_timeout_s: float = 60.0) -> None:
+    def __init__(self, capacity: int, *, start_timeout_s: float = 60.0, link: ShapedLink | None = None) -> None:
         if capacity <= 0:
             raise PlanInputError(f"peer capacity must be positive, got {capacity}")
         self.capacity = capacity
-        self._listener = TcpListener("127.0.0.1", 0, timeout_s=None)
+        self.link = link
+        host, secret = ("127.0.0.1", None) if link is None else (link.addr[0], os.urandom(16))
+        with contextlib.nullcontext() if link is None else in_netns(link.ns[0]):  # the socket stays there
+            self._listener = TcpListener(host, 0, secret=secret, timeout_s=None)
         ctx = mp.get_context("spawn")
-        self._proc = ctx.Process(target=_serve, args=(self._listener.port, capacity), daemon=True)
-        self._proc.start()
+        self._proc = ctx.Process(target=_serve, args=(self._listener.port, capacity, host, secret), daemon=True)
+        with contextlib.nullcontext() if link is None else in_netns(link.ns[1]):  # the peer process is host B
+            self._proc.start()
         try:
             self._t: TcpTransport = self._accept(start_timeout_s)
         except BaseException:

@@ -46,12 +46,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import socket
 import struct
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import numpy as np
 import redis
 import xxhash
@@ -64,9 +67,9 @@ from kvport.errors import (
     TierFullError,
     TierUnavailableError,
 )
+from kvport.lifetime import Lifetime
 from kvport.tiers import checksums
 from kvport.tiers.base import BlockMeta, Buffer, Tier, TierCaps, byte_view, writable_view
-from kvport.tiers.redis_book import PoolBook
 
 _TRAILER = struct.Struct("<4sIQQQQ")  # magic, format 2, chunk (0: inline), length, xxh3_64, version
 TRAILER_BYTES = _TRAILER.size  # 40
@@ -86,6 +89,11 @@ for i = (held and 1 or 2), #KEYS do redis.call('DEL', KEYS[i]) end
 return 1
 """
 
+# KEYS[1]: a head, KEYS[2]: its own record. A put that failed leaves no record without a value.
+_UNOWN = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return redis.call('DEL', KEYS[2]) end
+return 0
+"""
 
 # a cluster between topologies (a primary lost, its replica not promoted yet; a slot moving): unavailable for now
 _CLUSTER_TRANSIENT: tuple[type[Exception], ...] = tuple(
@@ -185,8 +193,11 @@ class RedisTier(Tier):
         except _REDIS_OR_VALUE as exc:
             raise TierUnavailableError(f"{name}: cannot connect to {url}: {exc}") from exc
         self._settle_script: Any = self._r.register_script(_SETTLE)  # no I/O: loaded on first use
-        # the pool's records (hand-offs, leases, pins) beside the values: kvport.tiers.redis_book
-        self.book: PoolBook | None = PoolBook(self, client) if records else None
+        self._unown_script: Any = self._r.register_script(_UNOWN)
+        # each value's own record (who handed it to the pool: kvport.client.redis_pool reads them, and
+        # keeps the pool's leases and pins beside them)
+        self.keeps_records = records
+        self.client = check_client(client or default_client())
 
     @classmethod
     def from_url(cls, url: str, *, name: str = "redis", **kw: Any) -> RedisTier:
@@ -224,12 +235,25 @@ class RedisTier(Tier):
     def _settle(self, key: bytes, ver: _Version, mode: str) -> bool:
         """``_SETTLE`` for one version of ``key`` (one slot: every key under its hash tag)."""
         head = self._k(key)
-        own = [head + b":own"] if mode == "drop" and self.book is not None else []  # the record goes with it
+        own = [head + b":own"] if mode == "drop" and self.keeps_records else []  # the record goes with it
         try:
             return bool(self._settle_script(keys=[head, *ver.chunk_keys(head), *own],
                                             args=[ver.tail, ver.strlen, mode]))
         except _REDIS_ERRORS as exc:
             raise _map(self.name, exc) from exc
+
+    def _own_records(self, keys: Sequence[bytes], metas: Sequence[BlockMeta | None],
+                     px: int | None) -> list[tuple[bytes, bytes, int | None]]:
+        """``(name, value, px)`` of the ``own`` record of each value a put writes: msgpack {by: this
+        client, lt: lifetime, p: parent key hex, t: unix ms}, the value's TTL."""
+        now = int(time.time() * 1000)
+        out = []
+        for k, m in zip(keys, metas, strict=True):
+            lt = m.lifetime.value if m is not None and m.lifetime is not None else \
+                (Lifetime.PREFIX.value if px is None else Lifetime.SESSION.value)
+            parent = m.parent.hex() if m is not None and m.parent is not None else ""
+            out.append((self._k(k) + b":own", msgpack.packb({"by": self.client, "lt": lt, "p": parent, "t": now}), px))
+        return out
 
     def _trailer(self, n: int, digest: int, version: bytes) -> bytes:
         chunk = 0 if n <= self.chunk_bytes else self.chunk_bytes
@@ -266,7 +290,7 @@ class RedisTier(Tier):
             return
         px = None if ttl_s is None else max(1, int(ttl_s * 1000))
         versions = os.urandom(8 * len(items))  # not random.*: forked writers would share its state
-        own = [] if self.book is None else self.book.own_records(keys, metas, px)
+        own = self._own_records(keys, metas, px) if self.keeps_records else []
         if self.cluster:
             return self._put_cluster(keys, srcs, px, versions, own)
         pool = self._r.connection_pool
@@ -391,7 +415,7 @@ class RedisTier(Tier):
         failed; then raise the first failure. Each value's replies (``counts``): probe, chunk SETs,
         head SET (the own record before it, with the pool's records)."""
         first: Exception | None = None
-        plain = 2 + (self.book is not None)  # replies of a value without chunks
+        plain = 2 + self.keeps_records  # replies of a value without chunks
         at = 0
         for key, trailer, took in zip(keys, trailers, counts, strict=True):
             probe, writes = replies[at], replies[at + 1 : at + took]
@@ -407,6 +431,12 @@ class RedisTier(Tier):
                     ours = _parse(trailer, None, self.chunk_bytes)
                     if not self._settle(key, ours, "drop"):
                         self._settle(key, ours, "gc")
+                if failed is not None and self.keeps_records:
+                    head = self._k(key)
+                    try:
+                        self._unown_script(keys=[head, head + b":own"])
+                    except _REDIS_ERRORS as exc:
+                        raise _map(self.name, exc) from exc
         if first is not None:
             raise _map(self.name, first) from first
 
@@ -580,6 +610,20 @@ class RedisTier(Tier):
 
 _URL_OPTIONS = ("cluster", "wait_replicas", "wait_timeout_ms", "records", "client")
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+MAX_CLIENT = 128
+
+
+def default_client() -> str:
+    """The name a client's records carry unless it names itself: host and process."""
+    return f"{socket.gethostname()}:{os.getpid()}"[:MAX_CLIENT]
+
+
+def check_client(name: str, what: str = "client name") -> str:
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_CLIENT or any(c in name for c in "{}\r\n"):
+        raise TierError(f"{what} must be 1-{MAX_CLIENT} characters without braces or line breaks, got {name!r}")
+    return name
 
 
 def split_url(url: str) -> tuple[str, dict[str, Any]]:

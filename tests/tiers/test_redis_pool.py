@@ -1,4 +1,4 @@
-"""The pool's records in Redis and in a real Redis Cluster (kvport.tiers.redis_book): who handed each
+"""The pool's records in Redis and in a real Redis Cluster (kvport.client.redis_pool): who handed each
 block over, leases and pins with native TTLs that outlive their client, prefix-aware leases, and the
 owners / leaks reports `kvport inspect --redis` prints."""
 
@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from kvport.cli.main import cli
 from kvport.client.port import StoreConfig, open_port
+from kvport.client.redis_pool import PoolBook
 from kvport.errors import LeaseExpiredError, TierError, UserInputError
 from kvport.lifetime import Lifetime
 from kvport.tiers.redis_tier import RedisTier
@@ -132,16 +133,16 @@ def test_pool_records_in_a_cluster_stay_on_their_blocks_slot(redis_cluster) -> N
     try:  # every record of a block on its slot: one script, one node, whatever the topology
         chain = _chain(8, 3)
         t.put_many_meta(chain, [None] * 8)
-        assert t.book is not None
-        lid, _ = t.book.lease([k for k, _ in chain], 10)
-        assert t.book.pin([chain[0][0]], reason="r") == 1
+        book = PoolBook(t)
+        lid, _ = book.lease([k for k, _ in chain], 10)
+        assert book.pin([chain[0][0]], reason="r") == 1
         for k, _ in chain:
             slots = {t._r.keyslot(n) for n in t._r.scan_iter(match=t._k(k) + b"*")}
             assert len(slots) == 1
         nodes = {t._r.get_node_from_key(t._k(k)).name for k, _ in chain}
         assert len(nodes) > 1  # the chain spans primaries
         assert lid is not None
-        t.book.release(lid)
+        book.release(lid)
     finally:
         t.close()
 

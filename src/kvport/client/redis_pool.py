@@ -1,4 +1,4 @@
-"""The pool's ownership records in Redis (or a Redis Cluster), beside the values they are about.
+"""The pool over Redis (or a Redis Cluster): its ownership records, beside the values they are about.
 
 A kvport server keeps its pool's book in its ledger. With Redis as the shared tier there is no
 server: every engine writes and reads the pool directly, and a client can die at any moment. So
@@ -6,9 +6,9 @@ the records that must outlive a client live in Redis, each under its block's has
 every script below touches one slot only), each with a native TTL, so Redis itself reaps what a
 dead client held, at its expiry and never later::
 
-    <head>:own              the block's hand-off to the pool, written with the value (same TTL):
-                            msgpack {by: the client that put it, lt: lifetime, p: parent key hex,
-                            t: unix ms}
+    <head>:own              the block's hand-off to the pool, written by RedisTier's put just before
+                            the head (same TTL): msgpack {by: the client that put it, lt: lifetime,
+                            p: parent key hex, t: unix ms}
     <head>:lease:<id hex>   a lease (hash: holder, since ms, ttl ms, blocks), PX its TTL
     <head>:pin:<holder>     a holder's pin (hash: count, reason, since ms, ttl ms), PX its TTL;
                             pinning again renews it and counts one more
@@ -34,9 +34,9 @@ stay empty by construction.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -44,14 +44,14 @@ import msgpack
 from kvport.errors import LeaseExpiredError, TierError
 from kvport.lifetime import Lifetime
 from kvport.protocol.server import MAX_ROWS, BlockOwners, LeaksAnswer, LeaseRow, OwnersAnswer, PinRow
+from kvport.tiers.redis_tier import _REDIS_ERRORS, MAX_CLIENT, _map
 
 if TYPE_CHECKING:
-    from kvport.tiers.base import BlockMeta
     from kvport.tiers.redis_tier import RedisTier
 
 DEFAULT_PIN_S = 600.0  # a pin's TTL when the caller names none (a pin in a shared pool always lapses)
 MAX_TTL_S = 7 * 86400.0
-MAX_HOLDER = 128
+MAX_HOLDER = MAX_CLIENT
 MAX_REASON = 256
 
 # Raise the TTL of a block's head, its chunks (named by the version in its trailer) and its own
@@ -127,11 +127,6 @@ return out
 """
 
 
-def default_client() -> str:
-    """The name a client's records carry unless it names itself: host and process."""
-    return f"{socket.gethostname()}:{os.getpid()}"[:MAX_HOLDER]
-
-
 def _ttl_ms(ttl_s: float, what: str) -> int:
     if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or not 0 < ttl_s <= MAX_TTL_S:
         raise TierError(f"{what} TTL must be seconds in (0, {MAX_TTL_S:.0f}], got {ttl_s!r}")
@@ -160,9 +155,9 @@ def _int(v: str | None, default: int = 0) -> int:
 class PoolBook:
     """Leases, pins and hand-off records of the blocks in one :class:`RedisTier` (module docstring)."""
 
-    def __init__(self, tier: RedisTier, client: str | None = None) -> None:
+    def __init__(self, tier: RedisTier) -> None:
         self.tier = tier
-        self.client = _name(client or default_client(), "client name", MAX_HOLDER)
+        self.client = tier.client  # the holder of this client's leases and pins, unless named
         r = tier._r
         self._scripts = {name: r.register_script(src) for name, src in
                          (("lease", _LEASE), ("pin", _PIN), ("drop", _DROP), ("book", _BOOK))}
@@ -178,8 +173,6 @@ class PoolBook:
         if not calls:
             return []
         import redis
-
-        from kvport.tiers.redis_tier import _REDIS_ERRORS, _map
 
         for attempt in range(2):
             pipe = self.tier._pipe()
@@ -203,20 +196,6 @@ class PoolBook:
                 raise _map(self.tier.name, bad) from bad
             return list(out)
         raise AssertionError("unreachable")
-
-    # ------------------------------------------------------------------ hand-off records
-    def own_records(self, keys: Sequence[bytes], metas: Sequence[BlockMeta | None],
-                    ttl_ms: int | None) -> list[tuple[bytes, bytes, int | None]]:
-        """``(name, value, px)`` of the ``own`` records a put of ``keys`` writes beside the values."""
-        now = int(time.time() * 1000)
-        out = []
-        for k, m in zip(keys, metas, strict=True):
-            lt = m.lifetime.value if m is not None and m.lifetime is not None else \
-                (Lifetime.PREFIX.value if ttl_ms is None else Lifetime.SESSION.value)
-            parent = m.parent.hex() if m is not None and m.parent is not None else ""
-            out.append((self._head(k) + b":own", msgpack.packb({"by": self.client, "lt": lt, "p": parent, "t": now}),
-                        ttl_ms))
-        return out
 
     # ------------------------------------------------------------------ leases
     def lease(self, keys: Sequence[bytes], ttl_s: float, holder: str | None = None) -> tuple[int | None, int]:
@@ -326,8 +305,6 @@ class PoolBook:
         for r in rows:
             if r.parent:
                 kids[r.parent] = kids.get(r.parent, 0) + 1
-        from dataclasses import replace
-
         rows = [replace(r, children=kids.get(r.key, 0)) for r in rows]
         return OwnersAnswer(tuple(rows), truncated=len(want) > MAX_ROWS)
 
@@ -355,8 +332,6 @@ class PoolBook:
 
     # ------------------------------------------------------------------ reading
     def _get(self, name: bytes) -> bytes | None:
-        from kvport.tiers.redis_tier import _REDIS_ERRORS, _map
-
         try:
             got: bytes | None = self.tier._r.get(name)
         except _REDIS_ERRORS as exc:
@@ -364,8 +339,6 @@ class PoolBook:
         return got
 
     def _parents(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        from kvport.tiers.redis_tier import _REDIS_ERRORS, _map
-
         out: list[bytes | None] = []
         for lo in range(0, len(keys), 1000):
             pipe = self.tier._pipe()
@@ -382,8 +355,6 @@ class PoolBook:
 
     def _scan(self, pattern: bytes) -> Iterable[bytes]:
         """Every key under this tier's prefix matching ``pattern`` after it (all primaries of a cluster)."""
-        from kvport.tiers.redis_tier import _REDIS_ERRORS, _map
-
         try:
             return list(self.tier._r.scan_iter(match=self.tier.prefix + b"{" + pattern, count=1000))
         except _REDIS_ERRORS as exc:

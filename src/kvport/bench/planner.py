@@ -16,6 +16,11 @@ prompt length ``N`` (the first ``N - suffix`` tokens' KV held by a peer process 
    suffix); trials run round-robin over the options and the fastest is kept. Logits of every path
    are compared with recompute's.
 
+``--set link=NAME`` (:data:`kvport.evidence.netlink.LINKS`): the peer is the other host of an
+emulated link (two network namespaces, a shaped veth): every transfer crosses it, and the link's own
+rate is one more bandwidth of the sweep (``results.link`` describes it; ``planner_within_10pct`` of
+``kvport bench scaleout``'s links comes from this run).
+
 Results: ``cells``, ``within_10pct_of_best``, ``max_regret``, ``crossover`` per bandwidth (measured:
 where load - recompute changes sign between lengths, linearly interpolated; predicted: the cost
 model's), and whether split beat both pure options anywhere. Limits: the raw (unthrottled) loopback
@@ -25,6 +30,7 @@ sweep (fp32 KV, lossless budget); ``kvport bench codec`` measures codecs.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -36,6 +42,7 @@ import torch
 from kvport.bench.harness import Report, SuiteOptions, conditions, finish
 from kvport.config import Settings
 from kvport.evidence.limits import memcpy_gbps
+from kvport.evidence.netlink import ShapedLink
 from kvport.planner import Action, Cached, Freshness, Planner, Profile, Request, crossover, evaluate, hfkv, machine_id
 from kvport.planner.calibrate import PrefillPlan, measure_install, measure_link, prefill_model, reference_ids
 from kvport.planner.profile import PrefillModel
@@ -173,17 +180,27 @@ def run(opts: SuiteOptions) -> Report:
 
     cells: list[dict[str, Any]] = []
     max_logit_diff = 0.0
-    with LoopbackPeer(kv.nbytes) as peer:
+    link_name = opts.extra.get("link")
+    link = None if link_name is None else ShapedLink(str(link_name)).start()
+    try:
+        peer = LoopbackPeer(kv.nbytes, link=link)
+    except BaseException:
+        if link is not None:
+            link.close()
+        raise
+    with peer, contextlib.nullcontext() if link is None else contextlib.closing(link):
         peer.put(0, kv.data)
-        raw = measure_link(peer, "loopback", 0.0, kv.nbytes)
-        limits["loopback_tcp_gbps"] = round(raw.bandwidth / 1e9, 3)
-        limits["loopback_latency_s"] = raw.latency
+        raw = measure_link(peer, "loopback" if link is None else f"link {link.name}", 0.0, kv.nbytes)
+        limits["loopback_tcp_gbps" if link is None else "link_tcp_gbps"] = round(raw.bandwidth / 1e9, 3)
+        limits["loopback_latency_s" if link is None else "link_latency_s"] = raw.latency
         runner = _Runner(model, ids, spec, peer)
         b_star = prefill_bandwidth(pf, spec, lengths[len(lengths) // 2])
         rates = opts.extra.get("bandwidths_mbps")
         ceiling = 0.8 * raw.bandwidth
         bandwidths = ([float(b) * 1e6 for b in rates] if rates else
                       sorted({round(min(ceiling, max(1e6, b_star * f)), -4) for f in sw.factors}))
+        if link is not None:  # the link at its own rate: the bucket at the shaped rate on top of it
+            bandwidths = sorted({*bandwidths, link.shape.rate_bps})
         # 2. calibrate every throttled link; one profile holds them all (link i = bandwidth i)
         links = [measure_link(peer, f"peer{i}", b, int(min(kv.nbytes, max(1 << 20, b * 0.25))), scratch=runner.buf)
                  for i, b in enumerate(bandwidths)]
@@ -235,6 +252,7 @@ def run(opts: SuiteOptions) -> Report:
              "link_mbps": {lk.name: round(lk.bandwidth / 1e6, 2) for lk in (learned.links if learned else ())}}
     res = _results(cells, lengths, bandwidths, links, static, spec, suffix, pf, install, b_star, max_logit_diff)
     res["online_state_at_end"] = state
+    res["link"] = None if link is None else {"name": link.name, **link.describe()}
     return finish(Report("planner", _conditions(spec, threads, lengths, suffix, trials), limits, res))
 
 

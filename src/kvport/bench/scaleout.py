@@ -19,10 +19,26 @@ Parts (each ``null`` with its reason when its component cannot start)::
     reshard.{wrong_outputs, lost, misses, seconds}
         ``redis-cli --cluster reshard`` moves slots (with their values) between primaries while the
         writer serves (MOVED/ASK mid-batch); ``lost``: acknowledged values absent after the move.
-    nixl_vs_bare_nixl, nixl_tcp_vs_raw_socket, links
-        null: kvport has no NIXL transport and no shaped links yet (issue 28, items 2 and 3)
+    links.NAME.{transfer_vs_ideal, raw_socket_vs_ideal, transfer_vs_raw_socket, planner_within_10pct,
+                pd_ttft_vs_best_option}
+        per emulated link (:mod:`kvport.evidence.netlink`: two network namespaces, a shaped veth; this
+        process sends from the first, a spawned child receives in the second): kvport's TCP transfer
+        (``kvport bench transfer``'s, checksummed LAYER frames) and raw ``sendall`` of the same bytes,
+        trials interleaved, against the ideal (one way's delay where emulated, then bytes / shaped
+        rate); ``planner_within_10pct`` from ``kvport bench planner --set link=NAME`` run here (its
+        quick sweep under ``--quick``); ``pd_ttft_vs_best_option`` null (vLLM PD across a link: not
+        built). ``null`` with the reason where namespaces cannot be made (not root, no iproute2).
+    nixl_vs_bare_nixl, nixl_tcp_vs_raw_socket (and results.nixl)
+        kvport's NIXL transport (:mod:`kvport.transfer.nixl`: the contract, the grant and the
+        checksums on its control channel, the bytes by a NIXL WRITE) from this process to a receiver
+        process, against bare NIXL writing the same bytes between the same registered buffers (the
+        same agents, no control, no checksums), trials interleaved; UCX as it picks on this host
+        (cross-memory attach), then ``UCX_TLS=tcp`` against raw ``sendall`` of the same bytes to the
+        same process. The sender passes the checksums the producer took of its blocks (as
+        ``kvport bench transfer``'s shm path does; the receiver verifies every block as its piece
+        lands, while the next pieces are written). ``null`` with the reason where NIXL is not installed.
 
-``--set values=N size=BYTES trials=T slots=S`` (``--quick``: fewer and smaller).
+``--set values=N size=BYTES trials=T slots=S links=10g-50us,1g-1ms`` (``--quick``: fewer and smaller).
 """
 
 from __future__ import annotations
@@ -41,6 +57,7 @@ import numpy as np
 
 from kvport.bench.harness import Report, SuiteOptions, conditions, finish
 from kvport.errors import KVPortError, TierError
+from kvport.evidence.netlink import LINKS, ShapedLink, in_netns, shape_of, unavailable
 from kvport.evidence.timing import gbps
 
 _NOT_BUILT = "not built: kvport has no {what} yet (issue 28, item {item})"
@@ -56,12 +73,9 @@ def run(opts: SuiteOptions) -> Report:
                               "persistence off, cluster-node-timeout 1000 ms",
                       redis=_redis_version())
     limits: dict[str, Any] = {}
-    results: dict[str, Any] = {
-        "nixl_vs_bare_nixl": None, "nixl_tcp_vs_raw_socket": None, "links": None,
-        "reasons": {"nixl_vs_bare_nixl": _NOT_BUILT.format(what="NIXL transport", item=2),
-                    "nixl_tcp_vs_raw_socket": _NOT_BUILT.format(what="NIXL transport", item=2),
-                    "links": _NOT_BUILT.format(what="shaped links between namespaces", item=3)},
-    }
+    results: dict[str, Any] = {"nixl_vs_bare_nixl": None, "nixl_tcp_vs_raw_socket": None, "links": None,
+                               "reasons": {}}
+    link_names = [x for x in str(opts.extra.get("links", ",".join(LINKS))).split(",") if x]
     reasons: dict[str, str] = results["reasons"]
     with tempfile.TemporaryDirectory(prefix="kvport-bench-scaleout-") as d:
         parts: list[tuple[str, Callable[[], dict[str, Any]]]] = [
@@ -80,7 +94,198 @@ def run(opts: SuiteOptions) -> Report:
                                                    "redis_cluster_get_vs_raw": None}))
             else:
                 results[part] = got or None
+    from kvport.transfer import nixl
+
+    why = nixl.available()
+    if why is not None:
+        reasons["nixl_vs_bare_nixl"] = reasons["nixl_tcp_vs_raw_socket"] = why
+    else:
+        try:
+            results["nixl"] = got = _nixl(opts)
+            results["nixl_vs_bare_nixl"] = got["default"]["kvport_vs_bare_nixl"]
+            results["nixl_tcp_vs_raw_socket"] = got["tcp"]["kvport_vs_raw_socket"]
+        except (KVPortError, OSError) as exc:
+            reasons["nixl_vs_bare_nixl"] = reasons["nixl_tcp_vs_raw_socket"] = f"{type(exc).__name__}: {exc}"
+    why = unavailable()
+    if why is not None:
+        reasons["links"] = f"cannot emulate links here: {why}"
+    else:
+        results["links"] = {}
+        for name in link_names:
+            try:
+                results["links"][name] = _link(name, opts)
+            except (KVPortError, OSError) as exc:
+                results["links"][name] = None
+                reasons[f"links.{name}"] = f"{type(exc).__name__}: {exc}"
     return finish(Report("scaleout", cond, limits, results))
+
+
+# ---------------------------------------------------------------------- NIXL
+def _nixl_child(conn: Any, blocks: int, tls: str | None) -> None:  # the receiver process
+    import os
+    import socket
+
+    if tls:
+        os.environ["UCX_TLS"] = tls
+    from kvport.transfer.nixl import NixlReceiver
+
+    with NixlReceiver(_nixl_spec(), blocks) as r, socket.create_server(("127.0.0.1", 0)) as raw_l:
+        conn.send((r.address, raw_l.getsockname()[1]))
+        mv = r.buf.reshape(-1).data.cast("B")
+        while True:
+            cmd = conn.recv()
+            if cmd == "kv":
+                try:
+                    got = r.receive(timeout_s=60)
+                    conn.send(("ok", got.nbytes))
+                except KVPortError as exc:
+                    conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            elif cmd == "raw":  # one raw round: recv_into the same buffer, then one byte back
+                c, _ = raw_l.accept()
+                with c:
+                    n, want = 0, conn.recv()
+                    while n < want:
+                        k = c.recv_into(mv[n:want])
+                        if k == 0:
+                            break
+                        n += k
+                    c.sendall(b"k")
+            else:
+                return
+
+
+def _nixl_spec() -> Any:
+    from kvport.spec import from_preset
+
+    return from_preset("llama-3.1-8b", block_size=16)  # bf16: 2 MiB a block (the transfer bench's model)
+
+
+def _nixl(opts: SuiteOptions) -> dict[str, Any]:
+    import multiprocessing as mp
+    import os
+    import socket
+
+    from kvport import memops
+    from kvport.protocol.transfer import TransferMeta
+    from kvport.transfer.nixl import NixlSender
+    from kvport.transfer.tcp import tune
+
+    spec = _nixl_spec()
+    blocks = 16 if opts.quick else 128
+    trials = 2 if opts.quick else 5
+    nbytes = blocks * spec.bytes_per_block
+    src = np.random.default_rng(7).integers(0, 256, (blocks, spec.bytes_per_block), dtype=np.uint8)
+    meta = TransferMeta(spec, "bench-nixl", tuple(i.to_bytes(16, "little") for i in range(blocks)))
+    out: dict[str, Any] = {"bytes": nbytes, "trials": trials}
+    for label, tls in (("default", None), ("tcp", "tcp")):
+        ctx = mp.get_context("spawn")
+        here, there = ctx.Pipe()
+        proc = ctx.Process(target=_nixl_child, args=(there, blocks, tls), daemon=True)
+        proc.start()
+        old = os.environ.get("UCX_TLS")
+        try:
+            if tls:
+                os.environ["UCX_TLS"] = tls
+            (host, port), raw_port = here.recv()
+            kv_t: list[float] = []
+            bare_t: list[float] = []
+            raw_t: list[float] = []
+            with NixlSender(src) as snd:
+                flat = src.reshape(-1).data.cast("B")
+                sums = memops.xxh3_many([src[i].data for i in range(blocks)])
+                for r in range(trials + 1):  # the first round of each is a warm-up
+                    here.send("kv")
+                    t0 = time.perf_counter()
+                    snd.send(host, port, meta, digests=sums)  # the producer's checksums (see the docstring)
+                    t1 = time.perf_counter()
+                    status = here.recv()
+                    if status[0] != "ok":
+                        raise TierError(f"the NIXL receiver failed: {status[1]}")
+                    t2 = time.perf_counter()
+                    snd.write_granted()
+                    t3 = time.perf_counter()
+                    if tls:
+                        here.send("raw")
+                        here.send(nbytes)
+                        with socket.create_connection(("127.0.0.1", raw_port)) as c:
+                            tune(c)
+                            t4 = time.perf_counter()
+                            c.sendall(flat)
+                            c.recv(1)
+                            t5 = time.perf_counter()
+                        if r:
+                            raw_t.append(t5 - t4)
+                    if r:
+                        kv_t.append(t1 - t0)
+                        bare_t.append(t3 - t2)
+            here.send("stop")
+        finally:
+            if old is None:
+                os.environ.pop("UCX_TLS", None)
+            else:
+                os.environ["UCX_TLS"] = old
+            proc.join(20)
+            if proc.is_alive():
+                proc.kill()
+        kv, bare = gbps(nbytes, statistics.median(kv_t)), gbps(nbytes, statistics.median(bare_t))
+        verify_t = []
+        for _ in range(3):  # what the receiver's check costs by itself: xxh3-64 of every block, one core
+            t0 = time.perf_counter()
+            memops.xxh3_many([src[i].data for i in range(blocks)])
+            verify_t.append(time.perf_counter() - t0)
+        part: dict[str, Any] = {"ucx_tls": tls or "UCX's own choice (cross-memory attach on one host)",
+                                "kvport_gbps": round(kv, 3), "bare_nixl_gbps": round(bare, 3),
+                                "kvport_vs_bare_nixl": _ratio(kv, bare),
+                                "verify_gbps": round(gbps(nbytes, min(verify_t)), 3),
+                                "kvport_trials_s": [round(x, 4) for x in kv_t],
+                                "bare_trials_s": [round(x, 4) for x in bare_t]}
+        if raw_t:
+            raw = gbps(nbytes, statistics.median(raw_t))
+            part.update(raw_socket_gbps=round(raw, 3), kvport_vs_raw_socket=_ratio(kv, raw),
+                        bare_nixl_vs_raw_socket=_ratio(bare, raw), raw_trials_s=[round(x, 4) for x in raw_t])
+        out[label] = part
+    return out
+
+
+# ---------------------------------------------------------------------- emulated links
+def _link(name: str, opts: SuiteOptions) -> dict[str, Any]:
+    """kvport's TCP transfer and raw sockets across the link against its ideal; the planner over it."""
+    import os
+
+    from kvport.bench import planner
+    from kvport.bench.transfer import _tcp
+
+    shape = shape_of(name)
+    secs = 0.1 if opts.quick else 0.5  # about this long a trial at the shaped rate
+    nbytes = max(16 << 20, int(shape.rate_bps * secs) >> 22 << 22)  # whole 4 MiB blocks
+    trials = 2 if opts.quick else 5
+    with ShapedLink(name) as link:
+        with in_netns(link.ns[0]):
+            tcp = _tcp(nbytes, trials, host=link.addr[0], secret=os.urandom(16), netns=link.ns[1])
+        described = link.describe()
+        ideal = (shape.delay_us * 1e-6 if link.delay_emulated else 0.0) + nbytes / shape.rate_bps
+    plan = planner.run(SuiteOptions(quick=opts.quick, extra={"link": name}))
+    pres = plan.results
+    return {
+        "link": described, "bytes": nbytes, "trials": trials,
+        "transfer_s": round(tcp["tcp_median_s"], 4), "raw_socket_s": round(tcp["raw_median_s"], 4),
+        "ideal_s": round(ideal, 4),
+        "transfer_vs_ideal": round(tcp["tcp_median_s"] / ideal, 3),
+        "raw_socket_vs_ideal": round(tcp["raw_median_s"] / ideal, 3),
+        "transfer_vs_raw_socket": _ratio(tcp["tcp_gbps"], tcp["raw_same_layout_gbps"]),
+        "transfer_gbps": round(tcp["tcp_gbps"] or 0, 3), "raw_socket_gbps": round(tcp["raw_same_layout_gbps"] or 0, 3),
+        "transfer_trials_s": [round(x, 4) for x in tcp["tcp_trials_s"]],
+        "raw_trials_s": [round(x, 4) for x in tcp["raw_trials_s"]],
+        "congestion": tcp["congestion"],
+        "planner_within_10pct": pres.get("within_10pct_of_best"),
+        "planner_max_regret": pres.get("max_regret"),
+        "planner_cells": len(pres.get("cells", [])),
+        "planner_bandwidths_mbps": pres.get("bandwidths_mbps"),
+        "planner_sweep": "quick" if opts.quick else "full",
+        "pd_ttft_vs_best_option": None,
+        "pd_reason": "not built: vLLM PD with the prefill engine in one namespace and the decode engine and proxy "
+                     "in the other (issue 28, item 3)",
+    }
 
 
 def _redis_version() -> str | None:

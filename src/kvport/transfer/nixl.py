@@ -1,0 +1,355 @@
+"""KV over NIXL: the bytes move by a NIXL WRITE between registered buffers; everything else stays on
+kvport's control channel.
+
+::
+
+    sender (NixlSender: its KV in one registered buffer)          receiver (NixlReceiver: its inbox,
+                                                                            one registered buffer)
+      control: kvport TCP, HMAC handshake off loopback  ------->  TRANSFER_BEGIN {TransferMeta,
+                                                                    nixl: {agent, metadata, bytes}}
+                                                                  checks the contract (check_compatible:
+                                                                  model, revision, dtype, layout, ranks,
+                                                                  block size, token range, codec) and
+                                                                  the room: the grant is the credit
+      <-------  TRANSFER_ACCEPT {nixl: {agent, metadata, addr, bytes}}   or TRANSFER_REFUSE {field, ...}
+      NIXL WRITEs of pieces [lo, hi) of the blocks, all posted   (UCX: cma / shared memory on one host,
+      at once, each into [addr + lo*B, addr + hi*B)                TCP or RDMA between hosts)
+      LAYER {lo, hi, digests: xxh3-64 of its blocks} ------->    as each piece completes, in order: the
+                                                                  receiver verifies those blocks while the
+                                                                  next pieces are still being written
+      TRANSFER_END {}                                 ------->
+      <-------  TRANSFER_COMMITTED {blocks}                        (linked, the caller's from now on)
+                or TRANSFER_ABORT {reason}                         (nothing linked: a checksum failed)
+
+The receiver only ever registers its inbox buffer and grants a region inside it; it checks each
+block's checksum after the write before anything is linked, so a write that went wrong or short is
+an abort, never a partial block. The sender waits on the WRITE within its deadline and raises a
+typed error (TransferError family: the caller falls back to the store, or recomputes) for a refused
+contract, a NIXL failure (a peer that died, metadata of an agent that is gone, a descriptor outside
+the registered memory), a checksum the receiver refused, a control channel that broke or stalled.
+
+NIXL is ``kvport[nixl]`` (the ``nixl-cu12`` wheel, installed ``--no-deps`` beside numpy; on a CPU its
+UCX backend moves DRAM by cross-memory attach or TCP: ``UCX_TLS``). Metadata a peer sends is capped
+(:data:`MAX_AGENT_METADATA`) and never unpickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvport import memops
+from kvport.errors import (
+    ChecksumError,
+    DeadlineExceeded,
+    IncompatibleSpecError,
+    MissingExtraError,
+    PeerError,
+    ProtocolError,
+    TransferError,
+)
+from kvport.protocol.frame import MsgType
+from kvport.protocol.sync import FrameIO
+from kvport.protocol.transfer import TransferMeta
+from kvport.spec import KVSpec
+from kvport.transfer import tcp as tcp_mod
+from kvport.transfer.meta import check_compatible
+
+MAX_AGENT_METADATA = 1 << 20  # bytes of a peer's NIXL agent metadata
+MAX_AGENT_NAME = 128
+PIECE_BYTES = 16 << 20  # a transfer is written in pieces of about this many bytes, each verified as it lands
+WINDOW = 2  # pieces in flight at once (all at once, UCX completes them together: nothing to verify early)
+
+
+def _api() -> Any:
+    """NIXL's Python API (``nixl_cu12``, else the ``nixl`` meta-package's pick); MissingExtraError without."""
+    for mod in ("nixl_cu12._api", "nixl._api"):
+        try:
+            return __import__(mod, fromlist=["nixl_agent"])
+        except ImportError:
+            continue
+    raise MissingExtraError("the NIXL transport needs the nixl extra: pip install --no-deps nixl-cu12 "
+                            "(numpy beside it)", "nixl", ("nixl_cu12",))
+
+
+def available() -> str | None:
+    """Why NIXL cannot run here (None: it can)."""
+    try:
+        _api()
+    except MissingExtraError as exc:
+        return str(exc)
+    return None
+
+
+class _Agent:
+    """One NIXL agent with one registered DRAM buffer (``buf``: contiguous uint8)."""
+
+    def __init__(self, role: str, buf: np.ndarray) -> None:
+        if buf.dtype != np.uint8 or not buf.flags.c_contiguous:
+            raise ProtocolError("a NIXL buffer must be contiguous uint8")
+        api = _api()
+        self.name = f"kvport-{role}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+            self.addr, self.nbytes = int(buf.ctypes.data), int(buf.nbytes)
+            self._reg = self.agent.register_memory([(self.addr, self.nbytes, 0, "")], "DRAM")
+        except Exception as exc:  # NIXL's own errors (nixlBackendError, ...): no kvport type below
+            raise TransferError(f"NIXL agent {self.name} could not start: {type(exc).__name__}: {exc}") from exc
+        self.buf = buf
+
+    def metadata(self) -> bytes:
+        md: bytes = self.agent.get_agent_metadata()
+        return md
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.agent.deregister_memory(self._reg)
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    meta: TransferMeta
+    nbytes: int  # bytes written at the start of the receiver's buffer, every block verified
+
+
+def _refuse(io: FrameIO, field: str, expected: Any, got: Any) -> None:
+    with contextlib.suppress(TransferError):
+        io.send(MsgType.TRANSFER_REFUSE, {"field": field, "expected": str(expected)[:256], "got": str(got)[:256]})
+
+
+def _nixl_part(m: dict[str, Any], *, needs_addr: bool) -> tuple[str, bytes, int, int]:
+    """(agent name, metadata, addr, bytes) of a peer's ``nixl`` map, every field checked."""
+    n = m.get("nixl")
+    if not isinstance(n, dict):
+        raise ProtocolError("the frame lacks its nixl map")
+    name, md, nbytes, addr = n.get("agent"), n.get("metadata"), n.get("bytes"), n.get("addr", 0)
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_AGENT_NAME:
+        raise ProtocolError(f"nixl agent name must be 1-{MAX_AGENT_NAME} characters")
+    if not isinstance(md, bytes) or not 0 < len(md) <= MAX_AGENT_METADATA:
+        raise ProtocolError(f"nixl metadata must be 1-{MAX_AGENT_METADATA} bytes")
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 < nbytes <= 1 << 40:
+        raise ProtocolError(f"nixl bytes must be a positive int, got {nbytes!r}")
+    if needs_addr and (not isinstance(addr, int) or isinstance(addr, bool) or not 0 < addr < 1 << 64):
+        raise ProtocolError(f"nixl addr must be an address, got {addr!r}")
+    return name, md, int(addr), nbytes
+
+
+class NixlReceiver:
+    """The inbox side: a control listener and one registered buffer of ``capacity_blocks`` blocks of
+    ``spec`` (block-major: block ``i`` at ``i * bytes_per_block``). One transfer at a time."""
+
+    def __init__(self, spec: KVSpec, capacity_blocks: int, *, host: str = "127.0.0.1", port: int = 0,
+                 secret: bytes | None = None, timeout_s: float = 30.0) -> None:
+        if capacity_blocks <= 0:
+            raise ProtocolError(f"capacity_blocks must be positive, got {capacity_blocks}")
+        self.spec = spec
+        self.buf = np.zeros((capacity_blocks, spec.bytes_per_block), dtype=np.uint8)  # faulted once, reused
+        self._agent = _Agent("inbox", self.buf)
+        self.listener = tcp_mod.TcpListener(host, port, secret=secret, timeout_s=timeout_s)
+        self.timeout_s = timeout_s
+        self.tamper_addr = 0  # tests: offset added to the granted address (a receiver's bug, out of bounds)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.listener.host, self.listener.port
+
+    def receive(self, timeout_s: float | None = None) -> Received:
+        """Serve one transfer: accept, check, grant, verify; the KV is then in ``buf`` (its first
+        ``nbytes``). Raises the typed error that ended it (the sender was told)."""
+        t = self.listener.accept(timeout_s=timeout_s or self.timeout_s)
+        io = FrameIO(t)
+        try:
+            return self._serve(io)
+        finally:
+            t.close()
+
+    def _serve(self, io: FrameIO) -> Received:
+        begin = io.expect(MsgType.TRANSFER_BEGIN)
+        meta = TransferMeta.from_wire(begin.meta)
+        peer, _md, _, nbytes = _nixl_part(begin.meta, needs_addr=False)
+        try:
+            check_compatible(self.spec, meta)
+        except IncompatibleSpecError as exc:
+            _refuse(io, exc.field, exc.expected, exc.got)
+            raise
+        want = meta.n_blocks * self.spec.bytes_per_block
+        if meta.layers != range(self.spec.num_layers) or nbytes != want:
+            _refuse(io, "bytes", want, nbytes)
+            raise IncompatibleSpecError("bytes", want, nbytes)
+        if nbytes > self.buf.nbytes:  # the credit: the room this inbox has
+            _refuse(io, "capacity", self.buf.nbytes, nbytes)
+            raise IncompatibleSpecError("capacity", self.buf.nbytes, nbytes)
+        io.send(MsgType.TRANSFER_ACCEPT, {"nixl": {"agent": self._agent.name, "metadata": self._agent.metadata(),
+                                                   "addr": self._agent.addr + self.tamper_addr, "bytes": nbytes}})
+        checked, bad = 0, []  # pieces arrive in order: blocks [0, checked) verified so far
+        while True:
+            f = io.expect(MsgType.LAYER, MsgType.TRANSFER_END, MsgType.TRANSFER_ABORT)
+            if f.msg_type == MsgType.TRANSFER_ABORT:
+                raise PeerError(f"the sender {peer} aborted: {str(f.meta.get('reason', ''))[:256]}")
+            if f.msg_type == MsgType.TRANSFER_END:
+                break
+            lo, hi, digests = f.meta.get("lo"), f.meta.get("hi"), f.meta.get("digests")
+            if lo != checked or not isinstance(hi, int) or isinstance(hi, bool) or not lo < hi <= meta.n_blocks \
+                    or not isinstance(digests, bytes) or len(digests) != 8 * (hi - lo):
+                raise ProtocolError(f"a piece must name blocks [{checked}, hi <= {meta.n_blocks}) and their "
+                                    "checksums (u64 LE)")
+            got = np.frombuffer(memops.xxh3_many([self.buf[i].data for i in range(lo, hi)]), "<u8")
+            bad += (lo + np.flatnonzero(got != np.frombuffer(digests, "<u8"))).tolist()
+            checked = hi
+        if checked != meta.n_blocks:
+            raise ProtocolError(f"the transfer ended after {checked} of {meta.n_blocks} blocks: nothing linked")
+        if bad:
+            with contextlib.suppress(TransferError):
+                io.send(MsgType.TRANSFER_ABORT, {"reason": f"{len(bad)} blocks failed their checksum"})
+            raise ChecksumError(f"NIXL transfer {meta.request_id}: blocks {bad[:8]} failed their checksum; "
+                                "nothing linked")
+        io.send(MsgType.TRANSFER_COMMITTED, {"blocks": meta.n_blocks})
+        return Received(meta, nbytes)
+
+    def close(self) -> None:
+        self.listener.close()
+        self._agent.close()
+
+    def __enter__(self) -> NixlReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class NixlSender:
+    """The producer side: its KV in one registered buffer (``src``: blocks, block-major)."""
+
+    def __init__(self, src: np.ndarray) -> None:
+        flat = src.reshape(-1) if src.flags.c_contiguous else None
+        if flat is None:
+            raise ProtocolError("the NIXL source must be one contiguous buffer")
+        self.src = src
+        self._agent = _Agent("sender", flat.view(np.uint8))
+        self._remotes: dict[str, bytes] = {}  # peers added to the agent: name -> the metadata added
+        self.last_grant: tuple[str, bytes, int, int] | None = None  # (agent, metadata, addr, bytes) last granted
+
+    def send(self, host: str, port: int, meta: TransferMeta, *, secret: bytes | None = None,
+             deadline_s: float = 30.0, digests: bytes | None = None) -> int:
+        """Move ``meta``'s blocks (the first ``n_blocks`` of ``src``) to the receiver; returns bytes
+        moved once it committed them. ``digests``: the blocks' xxh3-64 the producer already has
+        (u64 LE, :func:`kvport.memops.xxh3_many`)."""
+        end_by = time.monotonic() + deadline_s
+        nbytes = meta.n_blocks * meta.spec.bytes_per_block
+        if nbytes > self._agent.nbytes:
+            raise ProtocolError(f"{meta.n_blocks} blocks are more than the registered {self._agent.nbytes} bytes")
+        t = tcp_mod.connect(host, port, secret=secret, timeout_s=deadline_s)
+        io = FrameIO(t)
+        try:
+            io.send(MsgType.TRANSFER_BEGIN, {**meta.to_wire(), "nixl": {
+                "agent": self._agent.name, "metadata": self._agent.metadata(), "bytes": nbytes}})
+            ans = io.expect(MsgType.TRANSFER_ACCEPT, MsgType.TRANSFER_REFUSE)
+            if ans.msg_type == MsgType.TRANSFER_REFUSE:
+                m = ans.meta
+                raise IncompatibleSpecError(str(m.get("field", "?"))[:64], str(m.get("expected", ""))[:256],
+                                            str(m.get("got", ""))[:256])
+            peer, md, addr, granted = _nixl_part(ans.meta, needs_addr=True)
+            if granted != nbytes:
+                raise ProtocolError(f"the receiver granted {granted} bytes of {nbytes}")
+            self.last_grant = (peer, md, addr, nbytes)
+            bpb = meta.spec.bytes_per_block
+            flat = self._agent.buf
+            step = max(1, PIECE_BYTES // bpb)
+            pieces = [(lo, min(meta.n_blocks, lo + step)) for lo in range(0, meta.n_blocks, step)]
+
+            def landed(lo: int, hi: int) -> None:  # a piece is in the receiver's memory: its checksums go
+                sums = digests[8 * lo : 8 * hi] if digests is not None else \
+                    memops.xxh3_many([flat[i * bpb : (i + 1) * bpb].data for i in range(lo, hi)])
+                io.send(MsgType.LAYER, {"lo": lo, "hi": hi, "digests": bytes(sums)})
+
+            try:
+                self._write(peer, md, addr, nbytes, end_by, [(lo * bpb, hi * bpb) for lo, hi in pieces],
+                            lambda k: landed(*pieces[k]))
+            except TransferError as exc:
+                with contextlib.suppress(TransferError):
+                    io.send(MsgType.TRANSFER_ABORT, {"reason": str(exc)[:256]})
+                raise
+            io.send(MsgType.TRANSFER_END, {})
+            t.settimeout(max(0.1, end_by - time.monotonic()))
+            done = io.expect(MsgType.TRANSFER_COMMITTED, MsgType.TRANSFER_ABORT)
+            if done.msg_type == MsgType.TRANSFER_ABORT:
+                raise ChecksumError(f"the receiver aborted: {str(done.meta.get('reason', ''))[:256]}")
+            return nbytes
+        finally:
+            t.close()
+
+    def write_granted(self, deadline_s: float = 30.0) -> int:
+        """The last granted region written again by NIXL alone (no contract, no checksums, no
+        commit): bare NIXL between the same buffers, the benchmark's limit."""
+        if self.last_grant is None:
+            raise ProtocolError("no region was granted yet")
+        peer, md, addr, nbytes = self.last_grant
+        self._write(peer, md, addr, nbytes, time.monotonic() + deadline_s, [(0, nbytes)], lambda k: None)
+        return nbytes
+
+    def _write(self, peer: str, md: bytes, addr: int, nbytes: int, end_by: float,
+               pieces: list[tuple[int, int]], on_done: Callable[[int], None]) -> None:
+        """WRITE each piece ``[lo, hi)`` (bytes) of the source to ``addr + lo``: all posted at once,
+        ``on_done(k)`` as piece k completes, in order."""
+        a = self._agent.agent
+        try:
+            if self._remotes.get(peer) != md:  # a new peer, or one that restarted: its current metadata
+                if peer in self._remotes:
+                    a.remove_remote_agent(peer)
+                    del self._remotes[peer]
+                name = a.add_remote_agent(md)
+                name = name.decode() if isinstance(name, bytes) else name
+                if name != peer:
+                    raise ProtocolError(f"the receiver's metadata names agent {name!r}, not {peer!r}")
+                self._remotes[peer] = md
+        except TransferError:
+            raise
+        except Exception as exc:  # NIXL refused the peer's metadata
+            raise PeerError(f"NIXL could not reach {peer}: {type(exc).__name__}: {exc}") from exc
+        handles: list[Any] = []
+
+        def post(k: int) -> None:
+            lo, hi = pieces[k]
+            local = a.get_xfer_descs([(self._agent.addr + lo, hi - lo, 0)], "DRAM")
+            remote = a.get_xfer_descs([(addr + lo, hi - lo, 0)], "DRAM")
+            handles.append(a.initialize_xfer("WRITE", local, remote, peer, b"kvport"))
+            if a.transfer(handles[-1]) == "ERR":
+                raise PeerError(f"NIXL write of bytes [{lo}, {hi}) to {peer} failed to start")
+
+        try:
+            for k in range(min(WINDOW, len(pieces))):
+                post(k)
+            for k in range(len(pieces)):  # WINDOW pieces in flight: they land in order, one after the other
+                h = handles[k]
+                while (state := a.check_xfer_state(h)) not in ("DONE", "ERR"):
+                    if time.monotonic() > end_by:
+                        raise DeadlineExceeded(f"NIXL write of {nbytes} bytes to {peer} past its deadline")
+                if state == "ERR":
+                    raise PeerError(f"NIXL write of piece {k} to {peer} failed")
+                if k + WINDOW < len(pieces):
+                    post(k + WINDOW)
+                on_done(k)
+        except TransferError:
+            raise
+        except Exception as exc:  # NIXL refused a descriptor (outside the registered memory) or the peer died
+            raise PeerError(f"NIXL write to {peer} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            for h in handles:
+                with contextlib.suppress(Exception):
+                    a.release_xfer_handle(h)
+
+    def close(self) -> None:
+        self._agent.close()
+
+    def __enter__(self) -> NixlSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -9,6 +9,7 @@ import pytest
 
 from kvport.cli.main import main
 from kvport.evidence.netlink import unavailable
+from kvport.transfer import nixl
 
 
 @pytest.mark.slow
@@ -20,8 +21,9 @@ def test_scaleout_quick_reports_the_cluster_against_raw_and_its_faults(capsys, t
     report = json.loads(path.read_text())
     assert json.loads(capsys.readouterr().out) == report and report["suite"] == "scaleout"
     res, lim = report["results"], report["limits"]
-    no_links = unavailable()
-    assert set(res["reasons"]) == {"nixl_vs_bare_nixl", "nixl_tcp_vs_raw_socket"} | ({"links"} if no_links else set())
+    no_links, no_nixl = unavailable(), nixl.available()
+    assert set(res["reasons"]) == ({"nixl_vs_bare_nixl", "nixl_tcp_vs_raw_socket"} if no_nixl else set()) | \
+        ({"links"} if no_links else set())  # every part that can run here ran
     assert lim["raw_cluster_set_gbps"] > 0 and lim["raw_cluster_get_gbps"] > 0
     assert res["redis_cluster_bytes_exact"] is True
     assert res["redis_cluster_put_vs_raw"] > 0 and res["redis_cluster_get_vs_raw"] > 0
@@ -31,7 +33,11 @@ def test_scaleout_quick_reports_the_cluster_against_raw_and_its_faults(capsys, t
     assert f["recovery_seconds"] is not None and f["recovery_seconds_with_wait"] is not None
     r = res["reshard"]
     assert r["wrong_outputs"] == 0 and r["lost"] == 0 and r["acknowledged"] > 0
-    assert res["nixl_vs_bare_nixl"] is None and "NIXL" in res["reasons"]["nixl_vs_bare_nixl"]
+    if no_nixl:
+        assert res["nixl_vs_bare_nixl"] is None and "nixl" in res["reasons"]["nixl_vs_bare_nixl"]
+    else:  # kvport over NIXL next to bare NIXL and raw sockets, same bytes, same run
+        assert res["nixl_vs_bare_nixl"] > 0 and res["nixl_tcp_vs_raw_socket"] > 0
+        assert res["nixl"]["tcp"]["raw_socket_gbps"] > 0 and res["nixl"]["default"]["verify_gbps"] > 0
     if no_links is None:
         lk = res["links"]["1g-1ms"]
         assert set(res["links"]) == {"1g-1ms"} and lk["link"]["rate_mbit"] == 1000

@@ -188,3 +188,56 @@ def test_the_url_names_the_cluster_and_the_wait_and_a_malformed_option_is_a_conf
     for bad in ("http://h:1", "redis://h:1/0?cluster=2", "redis://h:1/0?wait_replicas=x"):
         with pytest.raises(ConfigError):
             split_url(bad)
+
+
+def test_a_primary_partitioned_away_then_back_rejoins_as_a_replica_and_nothing_acknowledged_is_lost(  # type: ignore[no-untyped-def]
+        redis_cluster) -> None:
+    """A primary cut off from everyone (stopped: no client, no peer hears it) past the node timeout:
+    its replica is promoted, the client's reads are exact bytes or typed misses, puts with WAIT go
+    on; when the partition heals the old primary comes back as a replica of the new one (its stale
+    view is discarded) and every acknowledged value reads back exactly."""
+    tier = RedisTier(redis_cluster.url, cluster=True, chunk_bytes=4096, socket_timeout_s=1, wait_replicas=1,
+                     wait_timeout_s=0.5)
+    try:
+        before = _values(24, 3000, seed=4)
+        tier.put_many(list(before.items()))
+        victim = redis_cluster.primary_of(tier._k(next(iter(before))))
+        redis_cluster.pause(victim)  # the partition
+        acked: dict[bytes, np.ndarray] = dict(before)
+        wrong = 0
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and victim in redis_cluster.primaries():
+            for k, v in before.items():  # reads during the partition
+                out = bytearray(v.nbytes)
+                try:
+                    n = tier.get_into(k, out)
+                    wrong += int(n != v.nbytes or bytes(out) != v.tobytes())
+                except (TierUnavailableError, BlockNotFoundError):
+                    pass
+            time.sleep(0.2)
+        assert victim not in redis_cluster.primaries(), "no failover within 30 s"
+        during = _values(12, 3000, seed=5)
+        for k, v in during.items():  # writes on the majority side, each waiting for a replica
+            try:
+                tier.put(k, v)
+                acked[k] = v
+            except TierUnavailableError:  # not acknowledged (its new primary has no replica yet): not counted
+                pass
+        redis_cluster.resume(victim)  # the partition heals
+        redis_cluster.wait_ok()
+        time.sleep(1.0)
+        assert victim not in redis_cluster.primaries()  # back as a replica, not a second primary
+        for k, v in acked.items():
+            out = bytearray(v.nbytes)
+            end = time.monotonic() + 10
+            while True:
+                try:
+                    n = tier.get_into(k, out)
+                    break
+                except TierUnavailableError:
+                    assert time.monotonic() < end
+                    time.sleep(0.1)
+            wrong += int(n != v.nbytes or bytes(out) != v.tobytes())
+        assert wrong == 0 and len(acked) > len(before)
+    finally:
+        tier.close()

@@ -6,17 +6,17 @@ the records that must outlive a client live in Redis, each under its block's has
 every script below touches one slot only), each with a native TTL, so Redis itself reaps what a
 dead client held, at its expiry and never later::
 
-    <head>:own              the block's hand-off to the pool, written by RedisTier's put just before
-                            the head (same TTL): msgpack {by: the client that put it, lt: lifetime,
-                            p: parent key hex, t: unix ms}
+    <head> (its own record) the block's hand-off to the pool, inside the value's head (RedisTier
+                            writes it with the value: it expires and goes with it): msgpack {by:
+                            the client that put it, lt: lifetime, p: parent key hex, t: unix ms}
     <head>:lease:<id hex>   a lease (hash: holder, since ms, ttl ms, blocks), PX its TTL
     <head>:pin:<holder>     a holder's pin (hash: count, reason, since ms, ttl ms), PX its TTL;
                             pinning again renews it and counts one more
     <head>:holds            the names of the block's lease and pin records (a set: inspect reads it
                             instead of scanning), PX the longest of them
 
-A lease or a pin keeps its block: the value's head, its chunks and its ``own`` record get their
-TTL raised to at least the record's (``PEXPIRE ... GT``: a block without a TTL stays without one).
+A lease or a pin keeps its block: the value's head and its chunks get their TTL raised to at least
+the record's (``PEXPIRE ... GT``: a block without a TTL stays without one).
 A lease is taken on a chain: :meth:`PoolBook.lease` holds the leading blocks present and counts
 those only (prefix-aware: a child whose parent is gone is never held nor counted). What a lease or
 a pin cannot stop is Redis evicting under ``maxmemory`` with an ``allkeys-*`` policy: run the
@@ -25,10 +25,10 @@ a miss (its chunks or head gone: CorruptBlockError, never a wrong byte).
 
 Reports (``kvport inspect --redis URL``) answer in the server's own types
 (:class:`~kvport.protocol.server.OwnersAnswer`, :class:`~kvport.protocol.server.LeaksAnswer`):
-owners walk the chain a key ends through the ``own`` records' parents; leaks scan every primary
-for blocks without an ``own`` record, ``own`` records without their block, and children whose
-parent is gone. Leases and pins past their TTL cannot exist here (Redis reaped them): those rows
-stay empty by construction.
+owners walk the chain a key ends through the own records' parents; leaks scan every primary
+for blocks without an own record (put by a client without records, or an older kvport) and
+children whose parent is gone. A record without its block cannot exist (it is in the block), nor
+leases and pins past their TTL (Redis reaped them): those rows stay empty by construction.
 """
 
 from __future__ import annotations
@@ -39,12 +39,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import msgpack
-
 from kvport.errors import LeaseExpiredError, TierError
 from kvport.lifetime import Lifetime
 from kvport.protocol.server import MAX_ROWS, BlockOwners, LeaksAnswer, LeaseRow, OwnersAnswer, PinRow
-from kvport.tiers.redis_tier import _REDIS_ERRORS, MAX_CLIENT, _map
+from kvport.tiers.redis_tier import _REDIS_ERRORS, MAX_CLIENT, MAX_OWN, TRAILER_BYTES, _map, parse_own
 
 if TYPE_CHECKING:
     from kvport.tiers.redis_tier import RedisTier
@@ -54,8 +52,8 @@ MAX_TTL_S = 7 * 86400.0
 MAX_HOLDER = MAX_CLIENT
 MAX_REASON = 256
 
-# Raise the TTL of a block's head, its chunks (named by the version in its trailer) and its own
-# record to at least ARGV ttl ms. Inlined in each script below (Lua has no shared functions here).
+# Raise the TTL of a block's head and its chunks (named by the version in its trailer) to at least
+# ARGV ttl ms. Inlined in each script below (Lua has no shared functions here).
 _EXTEND = """
 local function u64(s, at)
   local v = 0
@@ -64,7 +62,6 @@ local function u64(s, at)
 end
 local function extend(head, ttl)
   redis.call('PEXPIRE', head, ttl, 'GT')
-  redis.call('PEXPIRE', head .. ':own', ttl, 'GT')
   local tail = redis.call('GETRANGE', head, -40, -1)
   if #tail == 40 and string.sub(tail, 1, 4) == 'KVPR' and string.byte(tail, 5) == 2 then
     local chunk, n = u64(tail, 9), u64(tail, 17)
@@ -112,14 +109,16 @@ redis.call('SREM', KEYS[2], KEYS[1])
 return 1
 """
 
-# KEYS: head, own, holds. The block's book: {head strlen, head pttl, own or false, records};
-# each record {name, pttl, flat hash}; names in holds whose record lapsed are removed.
+# KEYS: head, holds. ARGV: bytes of the head's tail to read. The block's book: {head strlen, head pttl,
+# its tail (own record and trailer), records}; each record {name, pttl, flat hash}; names in holds
+# whose record lapsed are removed.
 _BOOK = """
-local out = {redis.call('STRLEN', KEYS[1]), redis.call('PTTL', KEYS[1]), redis.call('GET', KEYS[2])}
+local out = {redis.call('STRLEN', KEYS[1]), redis.call('PTTL', KEYS[1]),
+             redis.call('GETRANGE', KEYS[1], -tonumber(ARGV[1]), -1)}
 local recs = {}
-for _, name in ipairs(redis.call('SMEMBERS', KEYS[3])) do
+for _, name in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   local ttl = redis.call('PTTL', name)
-  if ttl == -2 then redis.call('SREM', KEYS[3], name)
+  if ttl == -2 then redis.call('SREM', KEYS[2], name)
   else table.insert(recs, {name, ttl, redis.call('HGETALL', name)}) end
 end
 table.insert(out, recs)
@@ -251,14 +250,14 @@ class PoolBook:
 
     # ------------------------------------------------------------------ reports
     def _books(self, keys: Sequence[bytes]) -> list[list[Any]]:
-        return self._run([("book", [self._head(k), self._head(k) + b":own", self._head(k) + b":holds"], [])
+        return self._run([("book", [self._head(k), self._head(k) + b":holds"], [TRAILER_BYTES + MAX_OWN])
                           for k in keys])
 
     def _row(self, key: bytes, book: list[Any], now_ms: int) -> BlockOwners | None:
-        strlen, pttl, own, recs = book
+        strlen, pttl, tail, recs = book
         if not strlen:
             return None
-        o = _own(own)
+        o = parse_own(tail)
         pins, leases = [], []
         for name, ttl, flat in recs:
             h = _hash(flat)
@@ -292,7 +291,7 @@ class PoolBook:
             cur: bytes | None = ks[0]
             while cur is not None and len(chain) < MAX_ROWS and cur not in chain:
                 chain.append(cur)
-                own = _own(self._get(self._head(cur) + b":own"))
+                own = self.tier.own_of([cur])[0]
                 cur = bytes.fromhex(own["p"]) if own and _is_key_hex(own.get("p")) else None
             want.extend(reversed(chain))
         else:
@@ -309,50 +308,20 @@ class PoolBook:
         return OwnersAnswer(tuple(rows), truncated=len(want) > MAX_ROWS)
 
     def leaks(self) -> LeaksAnswer:
-        """Blocks without an ``own`` record, ``own`` records without their block, children whose
-        parent is gone. Expired pins and leases: none (Redis reaped them at their TTL)."""
-        heads, owns = set(), set()
-        for name in self._scan(b"*"):
-            inner, rest = _split(self.tier.prefix, name)
-            if inner is None:
-                continue
-            if rest == b"":
-                heads.add(inner)
-            elif rest == b":own":
-                owns.add(inner)
-        without = sorted(k.hex() for k in heads - owns)
-        unstored = sorted(k.hex() for k in owns - heads)
-        orphans = []
-        kids = sorted(heads & owns)
-        parents = self._parents(kids)
-        for k, p in zip(kids, parents, strict=True):
-            if p is not None and p not in heads:
-                orphans.append(k.hex())
-        return LeaksAnswer((), (), tuple(without[:MAX_ROWS]), tuple(unstored[:MAX_ROWS]), tuple(orphans[:MAX_ROWS]))
+        """Blocks without an own record and children whose parent is gone. Leases and pins past
+        their TTL, records without their block: none here (Redis reaped the ones, the others are in
+        their blocks)."""
+        heads = sorted(k for k, rest in (_split(self.tier.prefix, n) for n in self._scan(b"*}")) if k and rest == b"")
+        present = set(heads)
+        owns: list[dict[str, Any] | None] = []
+        for lo in range(0, len(heads), 1000):
+            owns += self.tier.own_of(heads[lo : lo + 1000])
+        without = [k.hex() for k, o in zip(heads, owns, strict=True) if o is None]
+        orphans = [k.hex() for k, o in zip(heads, owns, strict=True)
+                   if o is not None and _is_key_hex(o.get("p")) and bytes.fromhex(o["p"]) not in present]
+        return LeaksAnswer((), (), tuple(without[:MAX_ROWS]), (), tuple(orphans[:MAX_ROWS]))
 
     # ------------------------------------------------------------------ reading
-    def _get(self, name: bytes) -> bytes | None:
-        try:
-            got: bytes | None = self.tier._r.get(name)
-        except _REDIS_ERRORS as exc:
-            raise _map(self.tier.name, exc) from exc
-        return got
-
-    def _parents(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = []
-        for lo in range(0, len(keys), 1000):
-            pipe = self.tier._pipe()
-            for k in keys[lo : lo + 1000]:
-                pipe.get(self._head(k) + b":own")
-            try:
-                got = pipe.execute()
-            except _REDIS_ERRORS as exc:
-                raise _map(self.tier.name, exc) from exc
-            for v in got:
-                o = _own(v)
-                out.append(bytes.fromhex(o["p"]) if o and _is_key_hex(o.get("p")) else None)
-        return out
-
     def _scan(self, pattern: bytes) -> Iterable[bytes]:
         """Every key under this tier's prefix matching ``pattern`` after it (all primaries of a cluster)."""
         try:
@@ -387,15 +356,3 @@ def _is_key_hex(v: object) -> bool:
     return isinstance(v, str) and len(v) == 32 and all(c in "0123456789abcdef" for c in v)
 
 
-def _own(raw: bytes | None) -> dict[str, Any] | None:
-    """An ``own`` record, or None when absent or not one (a record is data from the network: capped, typed)."""
-    if not raw or len(raw) > 1024:
-        return None
-    try:
-        o = msgpack.unpackb(raw, raw=False, max_str_len=256, max_map_len=8, max_array_len=0, max_bin_len=0)
-    except (ValueError, msgpack.UnpackException, TypeError):
-        return None
-    if not isinstance(o, dict) or not all(isinstance(o.get(f), str) for f in ("by", "lt", "p")) \
-            or not isinstance(o.get("t"), int):
-        return None
-    return o

@@ -2,12 +2,16 @@
 
 Keys (hex inside a hash tag, so every part of a value lands on one cluster slot)::
 
-    <prefix>{<key hex>}                   head: payload | trailer   (payload <= chunk_bytes)
-                                                trailer             (larger: the payload is in chunk keys)
+    <prefix>{<key hex>}                   head: payload | own | trailer   (payload <= chunk_bytes)
+                                                own | trailer             (larger: the payload is in chunk keys)
     <prefix>{<key hex>}:<version hex>:<i> chunk i = payload[i*chunk : (i+1)*chunk] of that version only
 
-    trailer, 40 bytes LE: magic b"KVPR" | format u32 = 2 | chunk u64 (0: payload inline) | length u64
-                          | xxh3_64 u64 | version u64 (random, new on every put)
+    trailer, 40 bytes LE: magic b"KVPR" | format u32 = 2 | own bytes << 8 | chunk u64 (0: payload
+                          inline) | length u64 | xxh3_64 u64 | version u64 (random, new on every put)
+    own (0 to 1024 bytes, ``records=True``): the value's hand-off to the pool, msgpack {by: the client
+                          that put it, lt: lifetime, p: parent key hex, t: unix ms}: part of the value
+                          itself, so it is written, expires and goes with the value, never apart
+                          (:mod:`kvport.client.redis_pool` reads it; :meth:`RedisTier.own_of`)
 
 Versions. A put never rewrites a key another put's head names: a value of one chunk is one key
 (one ``SET``, read whole by one ``GET``), and a larger value's chunks are named by its version and
@@ -71,7 +75,8 @@ from kvport.lifetime import Lifetime
 from kvport.tiers import checksums
 from kvport.tiers.base import BlockMeta, Buffer, Tier, TierCaps, byte_view, writable_view
 
-_TRAILER = struct.Struct("<4sIQQQQ")  # magic, format 2, chunk (0: inline), length, xxh3_64, version
+_TRAILER = struct.Struct("<4sIQQQQ")  # magic, format 2 | own << 8, chunk (0: inline), length, xxh3_64, version
+MAX_OWN = 1024  # bytes of a value's own record
 TRAILER_BYTES = _TRAILER.size  # 40
 _HEADER_V1 = struct.Struct("<4sIQQ")  # format 1: magic, 1, length, xxh3_64 (read, never written)
 _MAGIC = b"KVPR"
@@ -87,12 +92,6 @@ local held = redis.call('STRLEN', KEYS[1]) == tonumber(ARGV[2])
 if held ~= (ARGV[3] == 'drop') then return 0 end
 for i = (held and 1 or 2), #KEYS do redis.call('DEL', KEYS[i]) end
 return 1
-"""
-
-# KEYS[1]: a head, KEYS[2]: its own record. A put that failed leaves no record without a value.
-_UNOWN = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return redis.call('DEL', KEYS[2]) end
-return 0
 """
 
 # a cluster between topologies (a primary lost, its replica not promoted yet; a slot moving): unavailable for now
@@ -131,6 +130,7 @@ class _Version:
     digest: int
     chunk: int  # payload bytes per chunk key; 0: the payload is inline in the head
     tag: bytes  # chunk i is <head>:<tag><i>: b"<version hex>:" (format 2), b"" (format 1)
+    own: int = 0  # bytes of the own record just before the trailer
 
     @property
     def n_chunks(self) -> int:
@@ -148,10 +148,11 @@ def _parse(tail: bytes, strlen: int | None, v1_chunk: int) -> _Version:
             return _Version(tail, _HEADER_V1.size, n, digest, v1_chunk, b"")
     elif len(tail) == TRAILER_BYTES:
         magic, fmt, chunk, n, digest, ver = _TRAILER.unpack(tail)
-        size = TRAILER_BYTES + (n if chunk == 0 else 0)
-        if (magic == _MAGIC and fmt == 2 and strlen in (None, size)
+        own = fmt >> 8
+        size = TRAILER_BYTES + own + (n if chunk == 0 else 0)
+        if (magic == _MAGIC and fmt & 0xFF == 2 and own <= MAX_OWN and strlen in (None, size)
                 and (chunk == 0 or (chunk < n and -(-n // chunk) <= _MAX_CHUNKS))):
-            return _Version(tail, size, n, digest, chunk, b"%016x:" % ver)
+            return _Version(tail, size, n, digest, chunk, b"%016x:" % ver, own)
     return _Version(tail, len(tail) if strlen is None else strlen, -1, 0, 0, b"")
 
 
@@ -193,7 +194,6 @@ class RedisTier(Tier):
         except _REDIS_OR_VALUE as exc:
             raise TierUnavailableError(f"{name}: cannot connect to {url}: {exc}") from exc
         self._settle_script: Any = self._r.register_script(_SETTLE)  # no I/O: loaded on first use
-        self._unown_script: Any = self._r.register_script(_UNOWN)
         # each value's own record (who handed it to the pool: kvport.client.redis_pool reads them, and
         # keeps the pool's leases and pins beside them)
         self.keeps_records = records
@@ -235,29 +235,38 @@ class RedisTier(Tier):
     def _settle(self, key: bytes, ver: _Version, mode: str) -> bool:
         """``_SETTLE`` for one version of ``key`` (one slot: every key under its hash tag)."""
         head = self._k(key)
-        own = [head + b":own"] if mode == "drop" and self.keeps_records else []  # the record goes with it
         try:
-            return bool(self._settle_script(keys=[head, *ver.chunk_keys(head), *own],
-                                            args=[ver.tail, ver.strlen, mode]))
+            return bool(self._settle_script(keys=[head, *ver.chunk_keys(head)], args=[ver.tail, ver.strlen, mode]))
         except _REDIS_ERRORS as exc:
             raise _map(self.name, exc) from exc
 
-    def _own_records(self, keys: Sequence[bytes], metas: Sequence[BlockMeta | None],
-                     px: int | None) -> list[tuple[bytes, bytes, int | None]]:
-        """``(name, value, px)`` of the ``own`` record of each value a put writes: msgpack {by: this
-        client, lt: lifetime, p: parent key hex, t: unix ms}, the value's TTL."""
+    def _owns(self, metas: Sequence[BlockMeta | None], px: int | None) -> list[bytes]:
+        """Each value's own record (module docstring); empty ones without ``records``."""
+        if not self.keeps_records:
+            return [b""] * len(metas)
         now = int(time.time() * 1000)
         out = []
-        for k, m in zip(keys, metas, strict=True):
+        for m in metas:
             lt = m.lifetime.value if m is not None and m.lifetime is not None else \
                 (Lifetime.PREFIX.value if px is None else Lifetime.SESSION.value)
             parent = m.parent.hex() if m is not None and m.parent is not None else ""
-            out.append((self._k(k) + b":own", msgpack.packb({"by": self.client, "lt": lt, "p": parent, "t": now}), px))
+            out.append(msgpack.packb({"by": self.client, "lt": lt, "p": parent, "t": now}))
         return out
 
-    def _trailer(self, n: int, digest: int, version: bytes) -> bytes:
+    def _trailer(self, n: int, digest: int, version: bytes, own: int = 0) -> bytes:
         chunk = 0 if n <= self.chunk_bytes else self.chunk_bytes
-        return _TRAILER.pack(_MAGIC, 2, chunk, n, digest, int.from_bytes(version, "little"))
+        return _TRAILER.pack(_MAGIC, 2 | own << 8, chunk, n, digest, int.from_bytes(version, "little"))
+
+    def own_of(self, keys: Sequence[bytes]) -> list[dict[str, Any] | None]:
+        """The own record of each key's value (None: absent, or a value put without one)."""
+        pipe = self._r.pipeline(transaction=False)
+        for k in keys:
+            pipe.getrange(self._k(k), -(TRAILER_BYTES + MAX_OWN), -1)
+        try:
+            tails = pipe.execute()
+        except _REDIS_ERRORS as exc:
+            raise _map(self.name, exc) from exc
+        return [parse_own(t) for t in tails]
 
     # ------------------------------------------------------------------ put
     def put(self, key: bytes, data: Buffer, *, ttl_s: float | None = None) -> None:
@@ -278,9 +287,8 @@ class RedisTier(Tier):
         hashed right after, while it is still in cache from that copy; its trailer goes last. (A
         redis-py pipeline packs everything before sending anything, so the hash had to read every
         value from RAM once more beside it: 0.6-0.7 of this speed here.) With the pool's records
-        (``records=True``), each value's ``own`` record (who handed it to the pool, its lifetime and
-        parent from ``metas``) is written just before its head, with the same TTL: a head is only
-        visible with its record beside it."""
+        (``records=True``), each value's own record (who handed it to the pool, its lifetime and
+        parent from ``metas``) goes in its head, before the trailer: one value, one write."""
         srcs = [byte_view(d) for _, d in items]
         keys = [k for k, _ in items]
         for v in srcs:
@@ -290,7 +298,7 @@ class RedisTier(Tier):
             return
         px = None if ttl_s is None else max(1, int(ttl_s * 1000))
         versions = os.urandom(8 * len(items))  # not random.*: forked writers would share its state
-        own = self._own_records(keys, metas, px) if self.keeps_records else []
+        own = self._owns(metas, px)
         if self.cluster:
             return self._put_cluster(keys, srcs, px, versions, own)
         pool = self._r.connection_pool
@@ -305,19 +313,15 @@ class RedisTier(Tier):
             n_args = 3 if px is None else 5
             pending = b""  # small RESP pieces that go out with the next write: two writes a value
             for j, (key, src) in enumerate(zip(keys, srcs, strict=True)):
-                head, n, version = self._k(key), src.nbytes, versions[8 * j : 8 * j + 8]
+                head, n, version, mine = self._k(key), src.nbytes, versions[8 * j : 8 * j + 8], own[j]
                 pending += _RESP_PROBE % (len(head), head)
-                extra = 0
-                if own:  # the value's own record, just before its head
-                    pending += _resp_set(*own[j])
-                    extra = 1
-                if n <= cb:  # one key: payload | trailer
-                    conn.send_packed_command([pending + _resp_set_head(n_args, head, n + TRAILER_BYTES), src],
-                                             check_health=j == 0)
+                if n <= cb:  # one key: payload | own | trailer
+                    conn.send_packed_command([pending + _resp_set_head(n_args, head, n + len(mine) + TRAILER_BYTES),
+                                              src], check_health=j == 0)
                     digest = xxhash.xxh3_64_intdigest(src) if self.verify else 0  # still in cache
-                    trailers.append(self._trailer(n, digest, version))
-                    pending = trailers[-1] + tail
-                    counts.append(2 + extra)
+                    trailers.append(self._trailer(n, digest, version, len(mine)))
+                    pending = mine + trailers[-1] + tail
+                    counts.append(2)
                     continue
                 h = xxhash.xxh3_64()
                 tag = b"%016x:" % int.from_bytes(version, "little")
@@ -328,9 +332,9 @@ class RedisTier(Tier):
                     pending = tail
                     if self.verify:
                         h.update(part)
-                trailers.append(self._trailer(n, h.intdigest() if self.verify else 0, version))
-                pending += _resp_set_head(n_args, head, TRAILER_BYTES) + trailers[-1] + tail
-                counts.append(2 + extra + -(-n // cb))
+                trailers.append(self._trailer(n, h.intdigest() if self.verify else 0, version, len(mine)))
+                pending += _resp_set_head(n_args, head, len(mine) + TRAILER_BYTES) + mine + trailers[-1] + tail
+                counts.append(2 + -(-n // cb))
             if self.wait_replicas:  # on the connection that wrote: WAIT covers exactly these writes
                 pending += b"*3\r\n$4\r\nWAIT\r\n$%d\r\n%d\r\n$%d\r\n%d\r\n" % (
                     len(str(self.wait_replicas)), self.wait_replicas, len(str(self._wait_ms)), self._wait_ms)
@@ -362,34 +366,29 @@ class RedisTier(Tier):
             raise TierUnavailableError(f"{self.name}: put not acknowledged by its replicas: {why}")
 
     def _put_cluster(self, keys: Sequence[bytes], srcs: Sequence[memoryview], px: int | None,
-                     versions: bytes, own: Sequence[tuple[bytes, bytes, int | None]]) -> None:
+                     versions: bytes, own: Sequence[bytes]) -> None:
         """Cluster mode: a pipeline per ~8 MiB group (each routed by slot: one connection per node),
         in the same order. A one-chunk value and its trailer go out as one argument of two buffers
         (:class:`Joined`)."""
         cb = self.chunk_bytes
         for lo, hi in pipeline_groups([v.nbytes for v in srcs]):
             digests = checksums.xxh3_each(srcs[lo:hi]) if self.verify else [0] * (hi - lo)
-            trailers = [self._trailer(srcs[j].nbytes, digests[j - lo], versions[8 * j : 8 * j + 8])
-                        for j in range(lo, hi)]
+            trailers = [own[j] + self._trailer(srcs[j].nbytes, digests[j - lo], versions[8 * j : 8 * j + 8],
+                                               len(own[j])) for j in range(lo, hi)]  # own | trailer
             pipe = self._pipe()
             counts: list[int] = []
-            for j, (key, src, trailer) in enumerate(zip(keys[lo:hi], srcs[lo:hi], trailers, strict=True), lo):
+            for key, src, trailer in zip(keys[lo:hi], srcs[lo:hi], trailers, strict=True):
                 head = self._k(key)
                 pipe.getrange(head, -TRAILER_BYTES, -1)
-                extra = 0
-                if own:  # the value's own record, just before its head (one slot: the head's tag)
-                    name, value, opx = own[j]
-                    pipe.set(name, value, px=opx)
-                    extra = 1
                 if src.nbytes <= cb:
                     pipe.set(head, Joined(src, trailer), px=px)  # sent as the two buffers: no copy
-                    counts.append(2 + extra)
+                    counts.append(2)
                     continue
-                chunk_keys = _parse(trailer, None, cb).chunk_keys(head)
+                chunk_keys = _parse(trailer[-TRAILER_BYTES:], None, cb).chunk_keys(head)
                 for i, ck in enumerate(chunk_keys):
                     pipe.set(ck, src[i * cb : (i + 1) * cb], px=px)
                 pipe.set(head, trailer, px=px)
-                counts.append(2 + extra + len(chunk_keys))
+                counts.append(2 + len(chunk_keys))
             before = self._nodes_of(keys[lo:hi]) if self.wait_replicas else []
             for node in {n.name: n for n in before}.values():  # after its writes, on that node's connection
                 pipe.execute_command("WAIT", self.wait_replicas, self._wait_ms, target_nodes=node)
@@ -413,9 +412,8 @@ class RedisTier(Tier):
                    replies: Sequence[Any]) -> None:
         """Delete the chunks of the versions these puts replaced, and every part of a put that
         failed; then raise the first failure. Each value's replies (``counts``): probe, chunk SETs,
-        head SET (the own record before it, with the pool's records)."""
+        head SET."""
         first: Exception | None = None
-        plain = 2 + self.keeps_records  # replies of a value without chunks
         at = 0
         for key, trailer, took in zip(keys, trailers, counts, strict=True):
             probe, writes = replies[at], replies[at + 1 : at + took]
@@ -427,16 +425,10 @@ class RedisTier(Tier):
                     else None
                 if old is not None and old.n_chunks:
                     self._settle(key, old, "gc")
-                if failed is not None and took > plain:
-                    ours = _parse(trailer, None, self.chunk_bytes)
+                if failed is not None and took > 2:
+                    ours = _parse(trailer[-TRAILER_BYTES:], None, self.chunk_bytes)
                     if not self._settle(key, ours, "drop"):
                         self._settle(key, ours, "gc")
-                if failed is not None and self.keeps_records:
-                    head = self._k(key)
-                    try:
-                        self._unown_script(keys=[head, head + b":own"])
-                    except _REDIS_ERRORS as exc:
-                        raise _map(self.name, exc) from exc
         if first is not None:
             raise _map(self.name, first) from first
 
@@ -615,6 +607,25 @@ _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no"
 MAX_CLIENT = 128
 
 
+def parse_own(tail: bytes | None) -> dict[str, Any] | None:
+    """The own record in a head's last bytes (up to TRAILER_BYTES + MAX_OWN of them), or None:
+    absent, a value without one, anything malformed (data from the network: capped, typed)."""
+    if not tail or len(tail) < TRAILER_BYTES:
+        return None
+    ver = _parse(tail[-TRAILER_BYTES:], None, DEFAULT_CHUNK)
+    if ver.n < 0 or not ver.own or len(tail) < TRAILER_BYTES + ver.own:
+        return None
+    raw = tail[-TRAILER_BYTES - ver.own : -TRAILER_BYTES]
+    try:
+        o = msgpack.unpackb(raw, raw=False, max_str_len=256, max_map_len=8, max_array_len=0, max_bin_len=0)
+    except (ValueError, msgpack.UnpackException, TypeError):
+        return None
+    if not isinstance(o, dict) or not all(isinstance(o.get(f), str) for f in ("by", "lt", "p")) \
+            or not isinstance(o.get("t"), int):
+        return None
+    return o
+
+
 def default_client() -> str:
     """The name a client's records carry unless it names itself: host and process."""
     return f"{socket.gethostname()}:{os.getpid()}"[:MAX_CLIENT]
@@ -660,12 +671,6 @@ def split_url(url: str) -> tuple[str, dict[str, Any]]:
 
 GET_GROUP_BYTES = 8 << 20  # batched gets (and cluster puts) are pipelined in groups of about this many value bytes
 _RESP_PROBE = b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n$3\r\n-40\r\n$2\r\n-1\r\n"  # a head's trailer (TRAILER_BYTES)
-
-
-def _resp_set(name: bytes, value: bytes, px: int | None) -> bytes:
-    """``SET name value [PX ms]`` in RESP, whole (small values: the pool's records)."""
-    args = [b"SET", name, value] + ([] if px is None else [b"PX", b"%d" % px])
-    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
 def _resp_set_head(n_args: int, name: bytes, nbytes: int) -> bytes:

@@ -75,7 +75,8 @@ def run(opts: SuiteOptions) -> Report:
     limits: dict[str, Any] = {}
     results: dict[str, Any] = {"nixl_vs_bare_nixl": None, "nixl_tcp_vs_raw_socket": None, "links": None,
                                "reasons": {}}
-    link_names = [x for x in str(opts.extra.get("links", ",".join(LINKS))).split(",") if x]
+    asked = opts.extra.get("links", ",".join(LINKS))
+    link_names = [str(x) for x in asked] if isinstance(asked, list) else [x for x in str(asked).split(",") if x]
     reasons: dict[str, str] = results["reasons"]
     with tempfile.TemporaryDirectory(prefix="kvport-bench-scaleout-") as d:
         parts: list[tuple[str, Callable[[], dict[str, Any]]]] = [

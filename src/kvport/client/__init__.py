@@ -8,6 +8,9 @@
              to a server
     port     StoreConfig and open_store(): the one TieredStore an engine uses (host, disk, Redis, the
              server as tiers, top down)
+    redis_pool   PoolBook: the pool's records kept in Redis / Redis Cluster beside the values (own
+             records read from each value's head, leases and pins with native TTLs, owners, leaks)
+             when no kvport server holds them
 
 It sits above ``protocol`` and ``store`` (whoever builds a store passes a RemoteTier in; the store
 never imports it) and below the engines, the demo and the CLI.

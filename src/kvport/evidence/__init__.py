@@ -8,4 +8,6 @@ compared with (and drop the page cache before a cold read) the same way. Modules
     pagecache   drop_file_cache: the next read of a file comes from disk
     limits      memcpy, a raw loopback socket, raw file write + cold read, raw redis-py SET/GET
     rawserver   RawServer: a raw socket server under many clients, the loopback limit of a server
+    netlink     emulated links between hosts: two network namespaces joined by a veth pair shaped
+                with tc (ShapedLink, in_netns, LINKS), whether netem's delay could be applied
 """

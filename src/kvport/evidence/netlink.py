@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import secrets
 import shutil
@@ -68,13 +69,29 @@ def shape_of(name: str) -> LinkShape:
         raise ConfigError(f"unknown link {name!r}; known: {', '.join(LINKS)}") from None
 
 
-def unavailable() -> str | None:
-    """Why shaped links cannot be made here (None: they can)."""
+def _basic_unavailable() -> str | None:
     if os.geteuid() != 0:
         return "network namespaces need root (CAP_NET_ADMIN)"
     for exe in ("ip", "tc"):
         if shutil.which(exe) is None:
             return f"{exe} (iproute2) is not installed"
+    return None
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why shaped links cannot be made here (None: they can): root, iproute2, and a namespace with a
+    veth pair made and removed once to be sure (a container may refuse them)."""
+    why = _basic_unavailable()
+    if why is not None:
+        return why
+    probe = ShapedLink("probe", LinkShape(1000, 0))
+    try:
+        probe.start()
+    except ConfigError as exc:
+        return f"cannot make a namespace with a shaped veth here: {exc}"
+    finally:
+        probe.close()
     return None
 
 
@@ -119,7 +136,7 @@ class ShapedLink:
             _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *self.netem())
 
     def start(self) -> ShapedLink:
-        why = unavailable()
+        why = _basic_unavailable()
         if why is not None:
             raise ConfigError(f"cannot emulate link {self.name}: {why}")
         try:

@@ -20,6 +20,8 @@ below this package. Modules, bottom to top::
                  connection, capped, transfer deadline) and HandoffDialer (pooled Senders to the
                  deployment's destinations only), both ledgers recording it; records() asks a
                  listener for its ledger's newest moves (``kvport inspect --handoff``)
+    nixl         the NIXL transport (kvport[nixl]): contract, grant, per-piece checksums and commit
+                 on kvport's control channel, the bytes by NIXL WRITE between registered buffers
 """
 
 from kvport.protocol.frame import Flags, Limits, MsgType

@@ -1,7 +1,8 @@
 """``kvport bench scaleout --quick`` on real Redis Clusters it starts itself: the tier's throughput next to
 raw RedisCluster in the same run; a primary killed while its replica is behind: no read ever returns
 other bytes, and with WAIT no acknowledged value is lost; slots moved while serving lose nothing; across an
-emulated link (two network namespaces), kvport's transfer against raw sockets and the planner over it."""
+emulated link (two network namespaces), kvport's transfer against raw sockets, the planner over it, and
+vLLM PD across it with the proxy choosing stream or recompute per request."""
 
 import json
 
@@ -43,4 +44,9 @@ def test_scaleout_quick_reports_the_cluster_against_raw_and_its_faults(capsys, t
         assert set(res["links"]) == {"1g-1ms"} and lk["link"]["rate_mbit"] == 1000
         assert lk["transfer_vs_raw_socket"] > 0 and lk["transfer_vs_ideal"] > 0 and lk["ideal_s"] > 0
         assert lk["planner_cells"] > 0 and lk["planner_within_10pct"] is not None
-        assert lk["pd_ttft_vs_best_option"] is None and lk["pd_reason"]
+        # vLLM PD across the link: prefill engine in one namespace, decode engine and the planning proxy in
+        # the other; every hand-off streamed across it loaded (none recomputed), the same answers on every path
+        assert lk["pd_ttft_vs_best_option"] > 0 and lk["pd_tokens_equal"] is True, lk.get("pd_reason")
+        assert lk["pd_streamed_tokens_loaded"] == 1.0
+        assert {r["planner_choice"] for r in lk["pd_lengths"]} <= {"stream", "recompute"}
+        assert lk["pd_crossover_tokens"]["predicted_after_calibration"] is not None

@@ -48,6 +48,8 @@ class Engine:
     received: asyncio.Event = field(default_factory=asyncio.Event)
     closed: asyncio.Event = field(default_factory=asyncio.Event)  # a request's connection closed under it
     port: int = 0
+    tokenize_count: int | None = None  # answer /tokenize with this count (vLLM's route), else no such route
+    tokenized: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -65,6 +67,10 @@ class Engine:
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": f"model-of-{self.name}"}]})
 
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        self.tokenized.append(await request.json())
+        return web.json_response({"count": self.tokenize_count, "tokens": list(range(self.tokenize_count or 0))})
+
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
 
@@ -72,7 +78,10 @@ class Engine:
     async def running(self) -> AsyncIterator[Engine]:
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
+        if self.tokenize_count is not None:
+            app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/health", self._health)
         runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
@@ -344,3 +353,99 @@ def test_a_client_that_disconnects_cancels_its_request(stream: bool, handler: Ha
     run(go())
     bad = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     assert not bad, [r.getMessage() for r in bad]
+
+
+# ------------------------------------------------------------------ stream or recompute, per request (issue 28)
+def _tokens(body: dict[str, Any]) -> int:
+    p = body.get("prompt", body.get("messages"))
+    return len(p) if isinstance(p, list) else len(str(p).split())
+
+
+def timed(per_token_s: float, fixed_s: float, handoff_s: float | None = None) -> Handler:
+    """A stand-in engine that takes ``fixed_s + per_token_s x tokens`` to its first streamed chunk
+    (``handoff_s`` instead when the request names a hand-off), or answers a prefill request after
+    that long. The sleeps stand in for compute; the margins between the engines are 4x or more."""
+    async def handle(engine: Engine, request: web.Request) -> web.StreamResponse:
+        body = engine.bodies[-1]
+        handed = "kv_transfer_params" in body and not body["kv_transfer_params"].get("do_remote_decode")
+        await asyncio.sleep(handoff_s if handed and handoff_s is not None else fixed_s + per_token_s * _tokens(body))
+        if body.get("kv_transfer_params", {}).get("do_remote_decode"):
+            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": HANDOFF})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(f'data: {{"choices": [{{"text": "{engine.name}"}}]}}\n\ndata: [DONE]\n\n'.encode())
+        return out
+    return handle
+
+
+async def stream_post(url: str, body: dict[str, Any], policy: str | None = None) -> tuple[int, str, dict[str, str]]:
+    headers = {} if policy is None else {"X-KVport-PD": policy}
+    async with aiohttp.ClientSession() as s, s.post(url, json={**body, "stream": True}, headers=headers) as r:
+        return r.status, (await r.read()).decode(), dict(r.headers)
+
+
+@asynccontextmanager
+async def pd_deployment(**kw: Any) -> AsyncIterator[tuple[PDProxy, str, Engine, Engine]]:
+    """A prefill engine 0.2 ms a token, a decode engine computing 2 ms a token, a 60 ms hand-off."""
+    async with Engine("prefill", timed(0.0002, 0.005)).running() as pre, \
+            Engine("decode", timed(0.002, 0.005, handoff_s=0.06)).running() as dec, \
+            proxy([pre.url], [dec.url], **kw) as (p, url):
+        yield p, url, pre, dec
+
+
+def test_a_request_s_header_chooses_stream_or_recompute_and_the_answer_says_which() -> None:
+    async def go() -> None:
+        async with pd_deployment() as (p, url, pre, dec):
+            body = {"prompt": [1, 2, 3, 4], "max_tokens": 2}
+            status, text, headers = await stream_post(url + "/v1/completions", body, "recompute")
+            assert (status, headers["X-KVport-PD-Path"]) == (200, "recompute") and "decode" in text
+            assert pre.bodies == [] and "kv_transfer_params" not in dec.bodies[0]  # the decode engine computes
+            status, _, headers = await stream_post(url + "/v1/completions", body, "stream")
+            assert headers["X-KVport-PD-Path"] == "stream" and dec.bodies[1]["kv_transfer_params"] == HANDOFF
+            assert p.counts == {"recompute": 1, "pd": 1}
+            status, text, _ = await stream_post(url + "/v1/completions", body, "sideways")
+            assert status == 400 and "X-KVport-PD" in text and len(dec.bodies) == 2
+            # what the proxy timed went to the planner: one point per curve, at the prompt's 4 tokens
+            curves = p.planner.snapshot()["curves"]
+            assert [[pt[0] for pt in curves[c]["points"]] for c in ("prefill", "handoff", "decode")] == [[4]] * 3
+    run(go())
+
+
+def test_the_planner_recomputes_short_prompts_and_streams_long_ones_as_it_learned() -> None:
+    async def go() -> None:
+        async with pd_deployment(pd_policy="plan", pd_explore_every=0) as (_, url, _pre, _dec):
+            for n in (10, 100, 300):  # calibration: each path forced, three lengths
+                for policy in ("stream", "recompute"):
+                    await stream_post(url + "/v1/completions", {"prompt": list(range(n))}, policy)
+            # stream(n) ~ 0.005 + 0.0002 n + 0.06, recompute(n) ~ 0.005 + 0.002 n: they cross near 33 tokens
+            _, _, short = await stream_post(url + "/v1/completions", {"prompt": list(range(5))})
+            _, _, long = await stream_post(url + "/v1/completions", {"prompt": list(range(400))})
+            assert short["X-KVport-PD-Path"] == "recompute" and long["X-KVport-PD-Path"] == "stream"
+            assert "recompute=" in long["X-KVport-PD-Predicted"] and "stream=" in long["X-KVport-PD-Predicted"]
+            status, state = await get(url + "/kvport/pd")
+            got = json.loads(state)
+            assert status == 200 and got["policy"] == "plan" and 5 < got["crossover_tokens"][0] < 150
+            assert got["decisions"] == {"recompute:model": 1, "stream:model": 1}
+    run(go())
+
+
+def test_the_planner_counts_a_text_prompt_with_the_decode_engine_s_tokenizer() -> None:
+    async def go() -> None:
+        async with Engine("prefill", timed(0.0002, 0.005)).running() as pre, \
+                Engine("decode", timed(0.002, 0.005, handoff_s=0.06), tokenize_count=7).running() as dec, \
+                proxy([pre.url], [dec.url], pd_policy="plan") as (p, url):
+            _, _, headers = await stream_post(url + "/v1/completions", {"prompt": "a b c", "model": "m"})
+            assert dec.tokenized == [{"prompt": "a b c", "model": "m"}]  # asked once, with the client's model
+            assert headers["X-KVport-PD-Path"] == "stream"  # nothing learned yet: the default
+            assert [pt[0] for pt in p.planner.snapshot()["curves"]["prefill"]["points"]] == [7]
+            msgs = [{"role": "user", "content": "hi"}]
+            status, _, _ = await stream_post(url + "/v1/chat/completions",
+                                             {"messages": msgs, "add_generation_prompt": True})
+            assert status == 200 and dec.tokenized[1] == {"messages": msgs, "add_generation_prompt": True}
+            # a batch of prompts: one decision cannot cover them, so the planner is not asked
+            assert await p._prompt_tokens("/v1/completions", {"prompt": [[1, 2], [3]]}, dec.url, count=True) is None
+        # an engine without /tokenize: the count is unknown, the planner's default, no error
+        async with pd_deployment(pd_policy="plan") as (p, url, pre, dec):
+            status, _, headers = await stream_post(url + "/v1/completions", {"prompt": "a b c"})
+            assert (status, headers["X-KVport-PD-Path"]) == (200, "stream") and p.planner.counts == {}
+    run(go())

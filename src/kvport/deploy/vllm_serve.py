@@ -96,14 +96,17 @@ class EngineServer:
     def __init__(self, model_dir: Path, port: int, *, role: str | None, extra: Mapping[str, Any] | None = None,
                  log: Path, max_model_len: int = 4096, block_size: int = 32,
                  env: Mapping[str, str] | None = None, kv_config: Mapping[str, Any] | None = None,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, host: str = "127.0.0.1", netns: str | None = None) -> None:
         """``role`` None: a plain engine without a connector (the colocated reference), or the connector
         ``kv_config`` names (another one: the peer). ``tensor_parallel_size`` > 1: one worker process
-        per rank, their threads unbound (vLLM's CPU auto-binding wants a NUMA node per rank)."""
+        per rank, their threads unbound (vLLM's CPU auto-binding wants a NUMA node per rank).
+        ``netns``: the engine runs in that network namespace (a host of an emulated link,
+        :mod:`kvport.evidence.netlink`), serving on ``host`` there; its health is asked from inside it."""
         self.model_dir, self.port, self.role, self.log = model_dir, port, role, log
-        self.url = f"http://127.0.0.1:{port}"
+        self.host, self.netns = host, netns
+        self.url = f"http://{host}:{port}"
         self.argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                     "--served-model-name", "kvport-model", "--host", "127.0.0.1", "--port", str(port),
+                     "--served-model-name", "kvport-model", "--host", host, "--port", str(port),
                      "--dtype", "float32", "--enforce-eager", "--block-size", str(block_size),
                      "--max-model-len", str(max_model_len), "--enable-prompt-tokens-details",
                      "--disable-uvicorn-access-log", "--seed", "0"]
@@ -126,7 +129,7 @@ class EngineServer:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.metrics_dir, ignore_errors=True)  # must start empty (stale files sum into the counts)
         self.metrics_dir.mkdir(parents=True)
-        with self.log.open("ab") as out:
+        with self.log.open("ab") as out, _netns(self.netns):
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=True)
         return self
@@ -139,7 +142,7 @@ class EngineServer:
 
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+            with _netns(self.netns), urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                 return bool(r.status == 200)
         except (urllib.error.URLError, OSError):
             return False
@@ -177,6 +180,16 @@ class EngineServer:
         with contextlib.suppress(ProcessLookupError):  # the engine core and its workers are in the group too
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc = None
+
+
+def _netns(name: str | None) -> contextlib.AbstractContextManager[None]:
+    """The calling thread in network namespace ``name`` inside the block (processes started there
+    stay in it); no namespace: nothing changes."""
+    if name is None:
+        return contextlib.nullcontext()
+    from kvport.evidence.netlink import in_netns
+
+    return in_netns(name)
 
 
 def _end(proc: subprocess.Popen[Any], grace_s: float) -> None:
@@ -296,24 +309,28 @@ class ProxyServer:
     """``kvport proxy`` in a child process in front of the given engines."""
 
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], log: Path, port: int = 0,
-                 decode_inbox: Sequence[str] = ()) -> None:
+                 decode_inbox: Sequence[str] = (), args: Sequence[str] = (), netns: str | None = None) -> None:
+        """``args``: more of ``kvport proxy``'s options (``--pd plan``, ...); ``netns``: the proxy runs
+        in that network namespace (on its 127.0.0.1: its clients run there too)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
+        self.netns = netns
         self.argv = [sys.executable, "-m", "kvport.cli.proxy_cmd", "--listen", f"127.0.0.1:{self.port}",
                      *[a for u in prefill for a in ("--prefill", u)], *[a for u in decode for a in ("--decode", u)],
-                     *[a for u in decode_inbox for a in ("--decode-inbox", u)]]
+                     *[a for u in decode_inbox for a in ("--decode-inbox", u)], *args]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 30.0) -> ProxyServer:
-        with self.log.open("ab") as err:
+        with self.log.open("ab") as err, _netns(self.netns):
             self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=err)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise EngineError(f"kvport proxy exited: {self.log.read_text(errors='replace')[-1000:]}")
             try:
-                urllib.request.urlopen(self.url + "/health", timeout=1).close()
+                with _netns(self.netns):
+                    urllib.request.urlopen(self.url + "/health", timeout=1).close()
                 return self
             except OSError:
                 time.sleep(0.1)

@@ -41,9 +41,10 @@ class Action(enum.Enum):
     RECOMPUTE = "recompute"
     LOAD = "load"
     SPLIT = "split"
+    STREAM = "stream"  # prefill/decode: a prefill engine computes the prompt and streams its KV (planner.pd)
 
 
-_RANK = {Action.RECOMPUTE: 0, Action.LOAD: 1, Action.SPLIT: 2}
+_RANK = {Action.RECOMPUTE: 0, Action.LOAD: 1, Action.STREAM: 1, Action.SPLIT: 2}
 
 
 class ProfileStatus(enum.Enum):

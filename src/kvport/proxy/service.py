@@ -11,6 +11,18 @@ points at it (``/v1/completions``, ``/v1/chat/completions``, streamed or not; ``
                      --2--> decode engine    the client's body + those kv_transfer_params
                      <----- streamed back to the client as it comes
 
+Stream or recompute, per request (``pd_policy``): ``stream`` (the default) always takes the path above;
+``recompute`` sends the request straight to the decode engine, which computes the prompt itself; ``plan``
+asks the live :class:`~kvport.planner.pd.PDPlanner` which of the two gives the first token sooner for
+this prompt's length (counted by the decode engine's ``/tokenize`` unless the prompt is token ids) and
+the engines' queues. The planner learns from every request the proxy serves, whatever path it took:
+the prefill answer's time, and the decode engine's time to its first streamed token after a hand-off
+or computing the prompt (only requests that found their engine idle). A client, or a benchmark, may
+choose for one request with the header ``X-KVport-PD: stream | recompute | plan``; every answer says
+what was done in ``X-KVport-PD-Path`` (``stream``, ``recompute``, ``no_handoff``, ``fallback``) and, when
+the planner chose, its predictions in ``X-KVport-PD-Predicted``. ``GET /kvport/pd`` shows the planner's
+curves, the predicted crossover length and its decisions.
+
 Failures never hang a client and never give a wrong answer, since the decode engine recomputes
 what it cannot load:
 
@@ -32,8 +44,10 @@ prefill engine), 503 ``down`` when none does; the JSON body says which engine an
 ``/v1/models`` asks the decode engines, then the prefill engines, until one answers.
 
 Counters (``/metrics``): ``kvport_pd_proxy_requests_total{path}`` with path ``pd`` (handed over),
-``no_handoff`` (prefill failed), ``fallback`` (decode failed, served by a prefill engine),
-``failed`` and ``aborted`` (the client disconnected first). Engines are taken round-robin. Binds
+``recompute`` (chosen: the decode engine computed the prompt), ``no_handoff`` (prefill failed),
+``fallback`` (decode failed, served by a prefill engine), ``failed`` and ``aborted`` (the client
+disconnected first); ``kvport_pd_planner_decisions_total{action,why}``. Engines are taken
+round-robin. Binds
 127.0.0.1 by default; another address needs ``auth_token`` (``kvport proxy`` requires the length
 ``kvport serve`` does), which every request must then carry as ``Authorization: Bearer``.
 """
@@ -45,6 +59,7 @@ import hmac
 import itertools
 import json
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,8 +69,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvport import metrics
 from kvport.config import MIN_TOKEN_CHARS
 from kvport.engines.vllm.params import HandoffAsk, parse_dests
-from kvport.errors import ConfigError
+from kvport.errors import ConfigError, KVPortError
 from kvport.extras import require
+from kvport.planner.cost import Action
+from kvport.planner.pd import Curve, PDPlanner
+from kvport.planner.profile import Link, LinkKind
 from kvport.protocol.net import is_loopback
 
 try:
@@ -71,6 +89,12 @@ _REQUESTS = metrics.counter("pd_proxy_requests", "requests through the PD proxy,
 MAX_BODY_BYTES = 16 << 20  # a request body from a client is capped
 MAX_JSON_DEPTH = 64  # nesting of a request body (a tool's JSON schema is a few levels; json.loads recurses)
 _PD_PATHS = ("/v1/completions", "/v1/chat/completions")
+PD_POLICIES = ("stream", "recompute", "plan")
+PD_HEADER = "X-KVport-PD"  # a request's own policy (PD_POLICIES)
+PATH_HEADER = "X-KVport-PD-Path"  # what the proxy did: stream, recompute, no_handoff, fallback
+PREDICTED_HEADER = "X-KVport-PD-Predicted"  # the planner's predictions, when it chose
+_TOKENIZE_TIMEOUT_S = 10.0
+MAX_PROMPT_IDS = 1 << 20  # a prompt of token ids longer than this is not counted by the proxy
 _PROBE_TIMEOUT_S = 2.0  # an engine's /health, for the proxy's /health
 _MODELS_TIMEOUT_S = 10.0  # an engine's /v1/models
 # fields of a client's body that would make the one-token prefill do more than the prompt: several
@@ -95,6 +119,13 @@ class ProxyConfig:
     # passed on as they are: prefill rank r streams to the r-th), in the order of ``decode``: the prefill
     # engine streams the prompt's KV there during the prefill; empty: hand-offs go through the store
     decode_inbox: Sequence[str] = ()
+    # stream | recompute | plan (module docstring); a request's X-KVport-PD header overrides it
+    pd_policy: str = "stream"
+    # the stream's link as the planner models it (both or neither): bytes per second and seconds
+    pd_link_bps: float | None = None
+    pd_link_latency_s: float = 0.0
+    kv_bytes_per_token: int | None = None  # the model's KV bytes per token (the link term needs it)
+    pd_explore_every: int = 8  # while the planner cannot predict, one request in this many takes the other path
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -109,6 +140,16 @@ class ProxyConfig:
             if parse_dests(addr) is None:
                 raise ConfigError(f"a decode inbox is HOST:PORT or shm:NAME (one per rank, comma-separated), "
                                   f"got {addr!r}")
+        if self.pd_policy not in PD_POLICIES:
+            raise ConfigError(f"pd_policy is one of {', '.join(PD_POLICIES)}, got {self.pd_policy!r}")
+        if self.pd_link_bps is not None and not 0 < self.pd_link_bps < float("inf"):
+            raise ConfigError(f"pd_link_bps must be a positive number of bytes per second, got {self.pd_link_bps!r}")
+        if not 0 <= self.pd_link_latency_s < 60:
+            raise ConfigError(f"pd_link_latency_s must be in [0, 60), got {self.pd_link_latency_s!r}")
+        if self.kv_bytes_per_token is not None and self.kv_bytes_per_token <= 0:
+            raise ConfigError(f"kv_bytes_per_token must be positive, got {self.kv_bytes_per_token!r}")
+        if self.pd_explore_every < 0:
+            raise ConfigError(f"pd_explore_every must be >= 0, got {self.pd_explore_every!r}")
         for name in ("prefill_timeout_s", "decode_timeout_s", "header_timeout_s", "body_timeout_s"):
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
@@ -162,6 +203,11 @@ class PDProxy:
         self._decode = itertools.cycle(list(zip(self.decode_urls, inboxes, strict=True)))
         self._session: aiohttp.ClientSession | None = None
         self.counts: dict[str, int] = {}
+        link = None if cfg.pd_link_bps is None else Link("pd-stream", LinkKind.PEER, cfg.pd_link_bps,
+                                                           cfg.pd_link_latency_s, time.time(), "configured")
+        self.planner = PDPlanner(link=link, kv_bytes_per_token=cfg.kv_bytes_per_token,
+                                 explore_every=cfg.pd_explore_every)
+        self._busy = {u: 0 for u in [*self.prefill_urls, *self.decode_urls]}  # requests running on each engine
 
     # ---------------------------------------------------------------- app
     def app(self) -> web.Application:
@@ -171,6 +217,7 @@ class PDProxy:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/kvport/pd", self._pd_state)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -224,6 +271,10 @@ class PDProxy:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _pd_state(self, request: web.Request) -> web.Response:
+        return web.json_response({"policy": self.cfg.pd_policy, "requests": dict(self.counts),
+                                  "busy": dict(self._busy), **self.planner.snapshot()})
 
     async def _models(self, request: web.Request) -> web.Response:
         why: list[str] = []
@@ -290,38 +341,107 @@ class PDProxy:
 
     async def _pd(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         path = request.path
+        policy = request.headers.get(PD_HEADER, self.cfg.pd_policy).strip().lower()
+        if policy not in PD_POLICIES:
+            return _error(400, f"{PD_HEADER} is one of {', '.join(PD_POLICIES)}, got {policy[:40]!r}")
         decode, inbox = next(self._decode)  # chosen first: the prefill streams the KV to its inbox
-        handed = await self._prefill_step(path, body, inbox)
+        tokens = await self._prompt_tokens(path, body, decode, count=policy == "plan")
+        headers: dict[str, str] = {}
+        action: Action
+        if policy == "plan":
+            action = self.planner.default
+            if tokens is not None:
+                d = self.planner.decide(tokens, prefill_queue=min(self._busy[u] for u in self.prefill_urls),
+                                        decode_queue=self._busy[decode])
+                action = d.action
+                headers[PREDICTED_HEADER] = "; ".join(
+                    f"{o.action.value}={o.seconds:.4f}" for o in d.options if o.seconds is not None) or "unknown"
+        else:
+            action = Action.STREAM if policy == "stream" else Action.RECOMPUTE
+        handed = None
+        if action is Action.STREAM:
+            url = next(self._prefill)
+            idle = self._busy[url] == 0
+            t0 = time.monotonic()
+            handed = await self._prefill_step(url, path, body, inbox)
+            if handed is not None and idle and tokens is not None:
+                self._observe(Curve.PREFILL, tokens, time.monotonic() - t0)
         decode_body = dict(body)
         if handed is not None:
             decode_body["kv_transfer_params"] = handed
         else:
             decode_body.pop("kv_transfer_params", None)
+        taken = "pd" if handed is not None else "recompute" if action is Action.RECOMPUTE else "no_handoff"
+        headers[PATH_HEADER] = "stream" if taken == "pd" else taken
+        idle = self._busy[decode] == 0
+        first: list[float] = []
         try:
-            resp = await self._forward(request, decode + path, decode_body)
-            self._count("pd" if handed is not None else "no_handoff")
+            resp = await self._forward(request, decode, path, decode_body, headers, first)
+            self._count(taken)
+            if first and idle and tokens is not None and taken in ("pd", "recompute"):
+                self._observe(Curve.HANDOFF if taken == "pd" else Curve.DECODE, tokens, first[0])
             return resp
         except _Failed as exc:
             log.warning("kvport proxy: decode engine failed before answering (%s); a prefill engine computes "
                         "the request", exc)
         plain = dict(body)
         plain.pop("kv_transfer_params", None)
+        headers[PATH_HEADER] = "fallback"
         try:
-            resp = await self._forward(request, next(self._prefill) + path, plain)
+            resp = await self._forward(request, next(self._prefill), path, plain, headers, [])
             self._count("fallback")
             return resp
         except _Failed as exc:
             self._count("failed")
             return _error(502, f"no engine could answer: {exc}")
 
-    async def _prefill_step(self, path: str, body: dict[str, Any], inbox: str | None) -> dict[str, Any] | None:
-        """Step 1: the prompt computed on a prefill engine (streaming its KV to ``inbox`` when given);
-        its hand-off, or None when it failed. The answer's ``kv_transfer_params`` go to the decode
+    def _observe(self, curve: Curve, tokens: int, seconds: float) -> None:
+        try:
+            self.planner.observe(curve, tokens, seconds)
+        except KVPortError as exc:  # an impossible time: not learned from
+            log.debug("kvport proxy: observation not used: %s", exc)
+
+    async def _prompt_tokens(self, path: str, body: dict[str, Any], decode: str, *, count: bool) -> int | None:
+        """The prompt's length in tokens: a completion prompt of token ids is counted here; otherwise,
+        when ``count``, the decode engine's ``/tokenize`` counts it (with its own tokenizer and chat
+        template). None when it cannot be known (the planner then takes its default)."""
+        prompt = body.get("prompt")
+        if path == "/v1/completions" and isinstance(prompt, list) and 0 < len(prompt) <= MAX_PROMPT_IDS \
+                and isinstance(prompt[0], int):
+            return len(prompt)
+        if not count:
+            return None
+        if path == "/v1/completions":
+            if not isinstance(prompt, str):
+                return None  # a batch of prompts: one decision cannot cover them
+            ask: dict[str, Any] = {"prompt": prompt}
+        else:
+            ask = {k: body[k] for k in ("messages", "add_generation_prompt", "continue_final_message",
+                                        "chat_template", "chat_template_kwargs", "tools") if k in body}
+            if not isinstance(ask.get("messages"), list):
+                return None
+        if isinstance(body.get("model"), str):
+            ask["model"] = body["model"]
+        try:
+            async with self.session.post(decode + "/tokenize", json=ask,
+                                         timeout=aiohttp.ClientTimeout(total=_TOKENIZE_TIMEOUT_S)) as r:
+                got = await r.json() if r.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, ValueError) as exc:
+            log.warning("kvport proxy: %s/tokenize failed (%s); the planner takes its default", decode, exc)
+            return None
+        n = got.get("count") if isinstance(got, dict) else None
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+    async def _prefill_step(self, engine: str, path: str, body: dict[str, Any], inbox: str | None) \
+            -> dict[str, Any] | None:
+        """Step 1: the prompt computed on prefill engine ``engine`` (streaming its KV to ``inbox`` when
+        given); its hand-off, or None when it failed. The answer's ``kv_transfer_params`` go to the decode
         engine as sent: it is the one that reads them (:meth:`~kvport.engines.vllm.params.HandoffAnswer.parse`),
         counts what is wrong with them and recomputes, and a proxy older or newer than the engines
         passes on fields it does not know."""
         pre = prefill_body(body, inbox)
-        url = next(self._prefill) + path
+        url = engine + path
+        self._busy[engine] += 1
         try:
             async with self.session.post(url, json=pre,
                                          timeout=aiohttp.ClientTimeout(total=self.cfg.prefill_timeout_s)) as r:
@@ -332,12 +452,25 @@ class PDProxy:
             log.warning("kvport proxy: prefill failed (%s: %s); the decode engine computes the prompt",
                         type(exc).__name__, exc)
             return None
+        finally:
+            self._busy[engine] -= 1
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         return params if isinstance(params, dict) else None
 
-    async def _forward(self, request: web.Request, url: str, body: dict[str, Any]) -> web.StreamResponse:
-        """POST ``body`` to ``url`` and relay the answer (streamed as it comes). _Failed when nothing
-        was sent to the client yet; an error event ends a stream that broke midway."""
+    async def _forward(self, request: web.Request, engine: str, path: str, body: dict[str, Any],
+                       headers: dict[str, str], first: list[float]) -> web.StreamResponse:
+        """POST ``body`` to ``engine``'s ``path`` and relay the answer (streamed as it comes), with
+        ``headers`` added; ``first`` gets the seconds to the engine's first streamed chunk. _Failed when
+        nothing was sent to the client yet; an error event ends a stream that broke midway."""
+        self._busy[engine] += 1
+        try:
+            return await self._relay(request, engine + path, body, headers, first)
+        finally:
+            self._busy[engine] -= 1
+
+    async def _relay(self, request: web.Request, url: str, body: dict[str, Any], headers: dict[str, str],
+                     first: list[float]) -> web.StreamResponse:
+        t0 = time.monotonic()
         try:
             upstream = await self.session.post(url, json=body,
                                                timeout=aiohttp.ClientTimeout(total=self.cfg.decode_timeout_s))
@@ -352,9 +485,9 @@ class PDProxy:
                     data = await upstream.read()
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     raise _Failed(f"{url}: answer cut: {exc}") from None
-                return web.Response(status=upstream.status, body=data, headers={"Content-Type": ctype})
+                return web.Response(status=upstream.status, body=data, headers={"Content-Type": ctype, **headers})
             out = web.StreamResponse(status=upstream.status, headers={"Content-Type": ctype,
-                                                                      "Cache-Control": "no-cache"})
+                                                                      "Cache-Control": "no-cache", **headers})
             chunks = upstream.content.iter_any()
             started = False
             while True:
@@ -370,6 +503,8 @@ class PDProxy:
                     break
                 if chunk is None:
                     break
+                if not started:
+                    first.append(time.monotonic() - t0)
                 await _send(out, request, chunk)  # the client's side: an error here is the client's
                 started = True
             await _send(out, request, b"")

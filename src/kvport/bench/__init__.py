@@ -19,6 +19,7 @@ The physical limits and timing are :mod:`kvport.evidence`, below this package. M
     trace          a Mooncake trace replayed through the store's eviction; hit rate against the optimum
     reshard        prefill and decode at different TP widths (rank processes): heads re-sharded, output equal
     scaleout       the shared tier on a real Redis Cluster against raw RedisCluster; failover and slot moves
+    pd_link        scaleout's vLLM PD across an emulated link: the proxy's planner against fixed stream/recompute
     pd             prefill/decode disaggregation in vLLM through kvport, against colocated and NIXL
     soak           ownership under faults for N minutes (nothing leaks or is lost), then memory phases
     soak_client    one client process of the soak
@@ -51,7 +52,7 @@ SUITES: dict[str, Suite] = {
     "pd": _suite("pd", "answer_tokens", "chats", "keep", "overload_requests", "peer", "prompt_tokens", "prompts",
                  "shm", "stream", "turns"),
     "reshard": _suite("reshard", "cases", "drop", "max_new_tokens", "take_s", "tokens"),
-    "scaleout": _suite("scaleout", "links", "size", "slots", "trials", "values"),
+    "scaleout": _suite("scaleout", "links", "pd", "pd_cores", "pd_trials", "size", "slots", "trials", "values"),
     "planner": _suite("planner", "bandwidths_mbps", "factors", "lengths", "link", "suffix", "threads", "trials"),
     "server": _suite("server", "capacity_bytes", "client_processes", "inflight_bytes", "io_threads",
                      "overload_factor", "steady_s", "windows"),

@@ -8,6 +8,7 @@ Modules, pure first::
     crossover   crossover(): prompt lengths where load and recompute swap places           pure
     quality     codec quality costs from ``kvport eval quality`` result files              files
     planner     Planner: decide() + observe_transfer/observe_prefill (EMA), metrics, log
+    pd          prefill/decode per request: stream or recompute (PDPlanner, fitted from a proxy's requests)
     throttle    LoopbackPeer: a KV peer process serving byte ranges through a token bucket  sockets
     hfkv        block bytes <-> transformers DynamicCache; timed forwards                  torch
     calibrate   measures this machine (prefill of a model, install, links, tiers, codecs)  torch

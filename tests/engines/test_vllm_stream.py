@@ -24,6 +24,7 @@ from kvport.engines.vllm.stream import Inbox, InboxServer, StreamOut
 from kvport.engines.vllm.worker import AsyncLoads, BlockMover
 from kvport.keys import KeyContext, chain_keys
 from kvport.spec import DType, KVSpec, Layout
+from kvport.transfer import nixl
 
 SPEC = KVSpec("m", num_layers=3, num_kv_heads=2, head_dim=8, dtype=DType.FP32, block_size=4, layout=Layout.VLLM_CPU)
 CTX = KeyContext(block_size=4, spec_fingerprint=SPEC.fingerprint)
@@ -43,12 +44,18 @@ def engine_kv(num_blocks: int, seed: int | None) -> dict[str, torch.Tensor]:
     return {f"model.layers.{i}.self_attn.attn": make() for i in range(3)}
 
 
-@pytest.fixture(params=["tcp", "shm"])
-def inbox(request: pytest.FixtureRequest) -> Iterator[tuple[Inbox, InboxServer]]:
-    """A decode engine's inbox on loopback TCP, and on shared memory (producers on this host)."""
+@pytest.fixture(params=["tcp", "shm", pytest.param("nixl", marks=pytest.mark.skipif(
+    nixl.available() is not None, reason=f"{nixl.available()}"))])
+def inbox(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Inbox, InboxServer]]:
+    """A decode engine's inbox on loopback TCP, on shared memory (producers on this host), and over
+    NIXL (the stream's bytes written by NIXL into the inbox link's ring; UCX as it picks here; every
+    send through NIXL, even this small model's, none inside the control messages)."""
+    if request.param == "nixl":
+        monkeypatch.setattr(nixl.NixlRingTransport, "inline_below", 0)
     box = Inbox(SPEC, 8, HEADER, ttl_s=30.0)
-    srv = InboxServer(box, "127.0.0.1:0" if request.param == "tcp" else f"shm:kvport-test-{new_stream_id()[:12]}",
-                      SECRET)
+    address = {"tcp": "127.0.0.1:0", "shm": f"shm:kvport-test-{new_stream_id()[:12]}",
+               "nixl": "nixl:127.0.0.1:0"}[request.param]
+    srv = InboxServer(box, address, SECRET)
     yield box, srv
     srv.close()
 
@@ -229,7 +236,9 @@ def test_planner_streams_every_prompt_block_once_and_saves_none_of_them() -> Non
 def test_parse_dest() -> None:
     assert parse_dest("127.0.0.1:9300") == "127.0.0.1:9300"
     assert parse_dest("shm:kvport-inbox-1") == "shm:kvport-inbox-1"
-    for bad in (None, 7, "host", "h:0", "h:99999", ":80", "x" * 400, "shm:", "shm:a/b", "shm:" + "x" * 101):
+    assert parse_dest("nixl:10.0.0.2:9300") == "nixl:10.0.0.2:9300"
+    for bad in (None, 7, "host", "h:0", "h:99999", ":80", "x" * 400, "shm:", "shm:a/b", "shm:" + "x" * 101,
+                "nixl:", "nixl:h", "nixl:h:0", "nixl:shm:a", "nixl:nixl:h:1"):
         assert parse_dest(bad) is None
 
 
@@ -266,7 +275,18 @@ def test_a_block_corrupted_in_flight_is_never_linked(inbox: tuple[Inbox, InboxSe
 
     box, srv = inbox
     if srv.address.startswith("shm:"):
-        pytest.skip("the fault is injected into the TCP transport")
+        pytest.skip("the fault is injected into the TCP and NIXL transports")
+    if srv.address.startswith("nixl:"):  # a byte flipped in the sender's ring before NIXL writes it
+        push = nixl.NixlRingTransport._push
+        flips = [0]
+
+        def corrupt_push(self: Any, pos: int, n: int) -> None:
+            if not flips[0] and n > SPEC.bytes_per_layer_block:
+                self._out_mv[pos + n - 9] ^= 0x40  # the frame's last chunk, before its checksum
+                flips[0] += 1
+            push(self, pos, n)
+
+        monkeypatch.setattr(nixl.NixlRingTransport, "_push", corrupt_push)
     real = tcp.connect
 
     def corrupting(*args: Any, **kw: Any) -> Any:

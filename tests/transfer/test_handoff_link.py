@@ -13,7 +13,7 @@ import pytest
 
 from kvport.errors import AuthError, KVPortError
 from kvport.ledger import Ledger, Move, Owner
-from kvport.transfer import BlockTableDestination, Receiver, TransferMeta
+from kvport.transfer import BlockTableDestination, Receiver, TransferMeta, nixl
 from kvport.transfer.handoff import HandoffDialer, HandoffListener
 
 from . import peers
@@ -27,12 +27,12 @@ KEYS = peers.keys()
 class Consumer:
     """The decode side: a listener whose newest link is the one read (as the demo's decode worker)."""
 
-    def __init__(self, secret: bytes, budget: int) -> None:
+    def __init__(self, secret: bytes, budget: int, address: str = "127.0.0.1:0") -> None:
         self.ledger = Ledger(owners=[DECODE])
         self.dst = np.zeros((N, SPEC.bytes_per_block), dtype=np.uint8)
         self.links: list[Receiver] = []
         self.linked = threading.Condition()
-        self.listener = HandoffListener("127.0.0.1:0", secret, SPEC, self._dest, budget_bytes=budget,
+        self.listener = HandoffListener(address, secret, SPEC, self._dest, budget_bytes=budget,
                                         ledger=self.ledger, owner=DECODE, auto_release=False, on_link=self._on_link)
 
     def _dest(self, meta: TransferMeta) -> BlockTableDestination:
@@ -57,6 +57,11 @@ def secret() -> bytes:
     return secrets.token_bytes(32)
 
 
+# TCP, and NIXL (its rings written by NIXL, UCX as it picks on this host; the control socket TCP)
+LINKS = ["127.0.0.1:0", pytest.param("nixl:127.0.0.1:0", marks=pytest.mark.skipif(
+    nixl.available() is not None, reason=f"{nixl.available()}"))]
+
+
 def _producer(secret: bytes, address: str) -> tuple[Ledger, HandoffDialer]:
     ledger = Ledger(owners=[PREFILL])
     for k in KEYS:
@@ -64,9 +69,10 @@ def _producer(secret: bytes, address: str) -> tuple[Ledger, HandoffDialer]:
     return ledger, HandoffDialer(secret, [address], ledger=ledger, owner=PREFILL, credit_timeout_s=10.0)
 
 
+@pytest.mark.parametrize("address", LINKS)
 def test_credits_come_back_only_as_the_consumer_frees_layers_and_the_commit_is_recorded_on_both_sides(
-        secret: bytes) -> None:
-    c = Consumer(secret, budget=2 * LAYER_BYTES + 4096)  # two layers and their frames' checksums
+        secret: bytes, address: str) -> None:
+    c = Consumer(secret, budget=2 * LAYER_BYTES + 4096, address=address)  # two layers and their checksums
     mine, dialer = _producer(secret, c.listener.address)
     src = peers.source()
     try:
@@ -110,8 +116,9 @@ def test_credits_come_back_only_as_the_consumer_frees_layers_and_the_commit_is_r
         c.close()
 
 
-def test_a_new_link_is_handed_to_the_consumer_and_a_wrong_secret_never_is(secret: bytes) -> None:
-    c = Consumer(secret, budget=1 << 20)
+@pytest.mark.parametrize("address", LINKS)
+def test_a_new_link_is_handed_to_the_consumer_and_a_wrong_secret_never_is(secret: bytes, address: str) -> None:
+    c = Consumer(secret, budget=1 << 20, address=address)
     try:
         _, first = _producer(secret, c.listener.address)
         a = first.sender(c.listener.address)

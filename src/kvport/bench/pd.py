@@ -54,7 +54,7 @@ Options (``--set``): ``prompt_tokens`` (2048; quick 512), ``prompts`` (3; quick 
 quick 1), ``turns`` (4; quick 2), ``answer_tokens`` (48; quick 16), ``overload_requests`` (12; quick
 4), ``peer`` (true; quick false), ``shm`` (true: the engines also share a /dev/shm folder, the
 same-host path; false: the kvport server only), ``stream`` (shm: hand-offs streamed into the decode
-engine's inbox over shared memory; tcp: over loopback TCP; off: through the store), ``keep`` (a
+engine's inbox over shared memory; tcp: over loopback TCP; nixl: over NIXL; off: through the store), ``keep`` (a
 folder to keep the engines' logs in).
 """
 
@@ -267,13 +267,15 @@ def _options(opts: SuiteOptions) -> _Opts:
 
 HANDOFF_PATHS = {"shm": "streamed layer by layer into the decode engine's inbox over shared memory",
                  "tcp": "streamed layer by layer into the decode engine's inbox over loopback TCP",
+                 "nixl": "streamed layer by layer into the decode engine's inbox over NIXL (UCX as it picks on "
+                         "this host; the control socket loopback TCP)",
                  "off": "through the store (the prefill engine saves, the decode engine loads)"}
 
 
 def _stream_option(value: object) -> str:
     v = str(value).lower()
-    if v not in ("shm", "tcp", "off"):
-        raise UserInputError(f"--set stream= takes shm, tcp or off, got {value!r}")
+    if v not in ("shm", "tcp", "nixl", "off"):
+        raise UserInputError(f"--set stream= takes shm, tcp, nixl or off, got {value!r}")
     return v
 
 
@@ -334,7 +336,7 @@ def _pd_phase(model: Path, root: Path, o: _Opts, prompts: list[list[int]], chats
         extra.update(kvport_disk_dir=shared.name, kvport_disk_capacity="4 GiB")
     # the hand-off streamed into the decode engine during the prefill (--set stream=off: through the store)
     inbox = None if o.stream == "off" else (f"shm:kvport-bench-{secrets.token_hex(6)}" if o.stream == "shm"
-                                            else f"127.0.0.1:{listen_port()}")
+                                            else f"{'nixl:' if o.stream == 'nixl' else ''}127.0.0.1:{listen_port()}")
     produce = extra if inbox is None else {**extra, "kvport_pd_destinations": [inbox]}
     pre = [EngineServer(model, free_port(), role="kv_producer", extra=produce, log=root / f"prefill{i}.log",
                         max_model_len=8192) for i in range(2)]

@@ -126,7 +126,7 @@ def _owner_query(arg: str) -> tuple[tuple[bytes, ...], str]:
 
 def _inspect_handoff(address: str, limit: int, owners: str | None, as_json: bool) -> None:
     if parse_address(address) is None:
-        raise UserInputError(f"--handoff expects HOST:PORT or shm:NAME, got {address!r}")
+        raise UserInputError(f"--handoff expects HOST:PORT, shm:NAME or nixl:HOST:PORT, got {address!r}")
     prefix = ""
     if owners is not None:
         keys, prefix = _owner_query(owners)
@@ -174,7 +174,8 @@ def _check_ca(path: str) -> None:
 @click.option("--redis", "redis_url", default=None, metavar="URL",
               help="a Redis or Redis Cluster shared tier (redis://H:P/0, ?cluster=true): its pool records")
 @click.option("--handoff", "handoff", default=None, metavar="ADDR",
-              help="an engine's hand-off inbox (HOST:PORT or shm:NAME): its ledger's newest ownership moves")
+              help="an engine's hand-off inbox (HOST:PORT, shm:NAME or nixl:HOST:PORT): its ledger's newest "
+                   "ownership moves")
 @click.option("--limit", default=MAX_RECORDS, show_default=True, type=click.IntRange(1, MAX_RECORDS),
               help="--handoff: how many moves")
 @click.option("--tenant", default="default", show_default=True)

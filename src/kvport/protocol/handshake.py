@@ -53,7 +53,7 @@ LABEL = b"kvport.auth.v2"
 NONCE_BYTES = 32
 MAC_BYTES = 32
 MAX_NAME = 64
-MAX_DEST = 300  # an address: HOST:PORT or shm:NAME
+MAX_DEST = 300  # an address: HOST:PORT, shm:NAME or nixl:HOST:PORT
 MAX_INFO = 16
 HANDSHAKE_LIMITS = Limits(max_meta_bytes=1024, max_payload_bytes=1, max_chunk_bytes=1, max_chunks=1)
 _DUMMY_KEY = secrets.token_bytes(32)

@@ -115,9 +115,10 @@ class ProxyConfig:
     decode_timeout_s: float = 600.0
     header_timeout_s: float = 10.0  # a client sends a request's head within this (slowloris before auth)
     body_timeout_s: float = 30.0  # and its body within this
-    # the decode engines' inboxes (kvport_pd_inbox, HOST:PORT or shm:NAME; at TP > 1 one per rank, comma-separated,
-    # passed on as they are: prefill rank r streams to the r-th), in the order of ``decode``: the prefill
-    # engine streams the prompt's KV there during the prefill; empty: hand-offs go through the store
+    # the decode engines' inboxes (kvport_pd_inbox, HOST:PORT, shm:NAME or nixl:HOST:PORT; at TP > 1 one per
+    # rank, comma-separated, passed on as they are: prefill rank r streams to the r-th), in the order of
+    # ``decode``: the prefill engine streams the prompt's KV there during the prefill; empty: hand-offs go
+    # through the store
     decode_inbox: Sequence[str] = ()
     # stream | recompute | plan (module docstring); a request's X-KVport-PD header overrides it
     pd_policy: str = "stream"
@@ -138,8 +139,8 @@ class ProxyConfig:
                               "give one per engine, in the same order")
         for addr in self.decode_inbox:
             if parse_dests(addr) is None:
-                raise ConfigError(f"a decode inbox is HOST:PORT or shm:NAME (one per rank, comma-separated), "
-                                  f"got {addr!r}")
+                raise ConfigError(f"a decode inbox is HOST:PORT, shm:NAME or nixl:HOST:PORT (one per rank, "
+                                  f"comma-separated), got {addr!r}")
         if self.pd_policy not in PD_POLICIES:
             raise ConfigError(f"pd_policy is one of {', '.join(PD_POLICIES)}, got {self.pd_policy!r}")
         if self.pd_link_bps is not None and not 0 < self.pd_link_bps < float("inf"):

@@ -6,7 +6,7 @@ below this package. Modules, bottom to top::
     tcp | shm | inproc | striped   transports (tcp: listener / connect over protocol.net sockets,
                                    the one handshake beyond loopback; inproc: a thread pipe for tests)
     ratelimit    TokenBucket, RateLimited: a transport kept to a rate (a slow link, emulated)
-    links        authenticated links named by an address (HOST:PORT or shm:NAME): LinkListener, dial;
+    links        authenticated links named by an address (HOST:PORT, shm:NAME or nixl:HOST:PORT): LinkListener, dial;
                  every connection authenticated, the handshake bound to the address dialled
     meta         check_compatible (TransferMeta, the TRANSFER_BEGIN map, is protocol.transfer's)
     credits      Backpressure, CreditWindow, CreditPool, Admitted (Rejected is protocol.rejects')

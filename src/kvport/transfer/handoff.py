@@ -86,7 +86,7 @@ class AuthenticatedPeers:
 
 
 class HandoffListener:
-    """The receiving side: listens on ``address`` (``HOST:PORT`` or ``shm:NAME``, every connection
+    """The receiving side: listens on ``address`` (``HOST:PORT``, ``shm:NAME`` or ``nixl:HOST:PORT``, every connection
     authenticated with ``secret``, the handshake bound to ``address`` and ``names``) and serves a
     :class:`Receiver` into ``destination`` per connection, on its own thread. One thread accepts and
     never talks to a peer. With ``ledger`` / ``owner`` every commit is recorded as ``owner`` acquiring
@@ -206,7 +206,8 @@ class HandoffDialer:
     its own deployment configured, never an address a request names by itself). With ``ledger`` /
     ``owner`` every transfer is recorded as a hand-off of ``owner``'s blocks to the receiver's owner
     (a peer admitted over the authenticated link). ``credit_timeout_s`` bounds every wait for
-    credits; on shared memory a frame is ``shm_frame_bytes`` (each write is a hand-off to the peer)."""
+    credits; on shared memory and NIXL a frame is ``shm_frame_bytes`` (each write is a hand-off to the
+    peer: a layer of a step in one piece)."""
 
     def __init__(self, secret: bytes | None, destinations: Iterable[str], *, ledger: Ledger | None = None,
                  owner: Owner | None = None, credit_timeout_s: float = 5.0, dial_timeout_s: float = 5.0,
@@ -239,7 +240,7 @@ class HandoffDialer:
         # kept between hand-offs: the connection may idle; every wait on it has its own bound
         t = links.dial(dest, self.secret, timeout_s=self.dial_timeout_s, idle_timeout_s=IDLE_TIMEOUT_S,
                        ring=self.ring)
-        if dest.startswith(links.SHM_PREFIX):  # a frame is one hand-off to the peer: a layer of a step
+        if dest.startswith((links.SHM_PREFIX, links.NIXL_PREFIX)):  # a frame is one hand-off to the peer
             return Sender(t, credit_timeout_s=self.credit_timeout_s, ledger=self.ledger, owner=self.owner,
                           admit_peer=self.admit, max_frame_bytes=self.shm_frame_bytes,
                           batch_bytes=self.shm_frame_bytes)

@@ -1,5 +1,7 @@
-"""Authenticated transfer links named by an address: ``HOST:PORT`` (TCP) or ``shm:NAME`` (shared
-memory between processes of one host; an abstract Unix socket names the rings).
+"""Authenticated transfer links named by an address: ``HOST:PORT`` (TCP), ``shm:NAME`` (shared
+memory between processes of one host; an abstract Unix socket names the rings) or ``nixl:HOST:PORT``
+(the stream's bytes moved by NIXL between registered rings, UCX picking the fabric: RDMA, NVLink,
+cross-memory attach, TCP; its control socket is TCP to HOST:PORT; ``kvport[nixl]``).
 
 ::
 
@@ -34,6 +36,7 @@ from kvport.protocol.transport import Transport
 from kvport.transfer import shm, tcp
 
 SHM_PREFIX = "shm:"
+NIXL_PREFIX = "nixl:"
 PRINCIPAL = tcp.TRANSFER_PRINCIPAL
 MIN_SECRET_BYTES = 16
 HANDSHAKE_S = 5.0  # an accepted connection that has not authenticated by then is closed
@@ -42,12 +45,15 @@ _SERVER_NAME = "kvport-link"
 
 
 def parse_address(value: object) -> str | None:
-    """``value`` when it is a link address (``HOST:PORT`` with a port in 1..65535, or ``shm:NAME``),
-    else None."""
+    """``value`` when it is a link address (``HOST:PORT`` with a port in 1..65535, ``shm:NAME`` or
+    ``nixl:HOST:PORT``), else None."""
     if not isinstance(value, str) or len(value) > 300:
         return None
     if value.startswith(SHM_PREFIX):
         return value if _SHM_NAME.fullmatch(value[len(SHM_PREFIX):]) else None
+    if value.startswith(NIXL_PREFIX):  # its control socket's HOST:PORT
+        rest = value[len(NIXL_PREFIX):]
+        return value if not rest.startswith((SHM_PREFIX, NIXL_PREFIX)) and parse_address(rest) == rest else None
     host, sep, port = value.rpartition(":")
     return value if sep and host and port.isdigit() and 0 < int(port) < 65536 else None
 
@@ -88,6 +94,8 @@ class Pending:
             t: SocketTransport | shm.ShmTransport
             if ln.kind == "shm":
                 t = shm.ShmTransport(self.sock, ln.ring.slot_bytes, ln.ring.slots, ln.handshake_s)
+            elif ln.kind == "nixl":
+                t = _nixl_ring(self.sock, ln.ring, ln.handshake_s)
             else:
                 t = raw
             t.settimeout(ln.idle_timeout_s)
@@ -104,9 +112,16 @@ class Pending:
             self.sock.close()
 
 
+def _nixl_ring(sock: socket.socket, ring: ShmRing, timeout_s: float | None) -> shm.ShmTransport:
+    from kvport.transfer.nixl import NixlRingTransport  # kvport[nixl]: MissingExtraError without it
+
+    return NixlRingTransport(sock, ring.slot_bytes, ring.slots, timeout_s)
+
+
 class LinkListener:
-    """Listens on ``address`` (``HOST:PORT``, port 0 for any, or ``shm:NAME``). ``names``: further
-    addresses dialling peers may use for it (a public address, when it binds a wildcard)."""
+    """Listens on ``address`` (``HOST:PORT``, port 0 for any, ``shm:NAME`` or ``nixl:HOST:PORT``).
+    ``names``: further addresses dialling peers may use for it (a public address, when it binds a
+    wildcard)."""
 
     def __init__(self, address: str, secret: bytes | None, names: Iterable[str] = (),
                  idle_timeout_s: float | None = 3600.0, handshake_s: float = HANDSHAKE_S,
@@ -123,15 +138,22 @@ class LinkListener:
             self._shm = shm.ShmListener(address[len(SHM_PREFIX):])
             self.address = address
         else:
-            host, sep, port = address.rpartition(":")
+            prefix = NIXL_PREFIX if address.startswith(NIXL_PREFIX) else ""
+            if prefix:
+                from kvport.transfer.nixl import available
+
+                why = available()
+                if why is not None:
+                    raise ConfigError(f"{address}: {why}")
+            host, sep, port = address[len(prefix):].rpartition(":")
             if not sep or not host or not port.isdigit() or int(port) > 65535:
-                raise ConfigError(f"a link listens on HOST:PORT or shm:NAME, got {address!r}")
+                raise ConfigError(f"a link listens on HOST:PORT, shm:NAME or nixl:HOST:PORT, got {address!r}")
             if host.strip("[]") in ("0.0.0.0", "::") and not names:
                 raise ConfigError(f"a link bound to every address ({address}) must be told the addresses its "
                                   "peers dial (names): the handshake is bound to them")
-            self.kind = "tcp"
+            self.kind = "nixl" if prefix else "tcp"
             self._tcp = tcp.TcpListener(host.strip("[]"), int(port), secret=self.secret, timeout_s=idle_timeout_s)
-            self.address = f"{host}:{self._tcp.port}"
+            self.address = f"{prefix}{host}:{self._tcp.port}"
         # the handshake accepts answers signed for these; an address given with port 0 is not one
         self.names = frozenset({self.address, *names} | (set() if address.endswith(":0") else {address}))
 
@@ -160,7 +182,7 @@ def dial(address: str, secret: bytes | None, timeout_s: float = 5.0, idle_timeou
     """Connect to ``address`` and authenticate, the answer signed for ``address`` itself."""
     key = _check_secret(secret)
     if parse_address(address) is None:
-        raise ConfigError(f"a link address is HOST:PORT or shm:NAME, got {address!r}")
+        raise ConfigError(f"a link address is HOST:PORT, shm:NAME or nixl:HOST:PORT, got {address!r}")
     ring = ring or ShmRing()
     if address.startswith(SHM_PREFIX):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -172,7 +194,7 @@ def dial(address: str, secret: bytes | None, timeout_s: float = 5.0, idle_timeou
             raise PeerError(f"shm: cannot connect to {address}: {exc}") from exc
         raw = SocketTransport(sock, timeout_s, name=f"shm->{address}")
     else:
-        host, port = _host_port(address)
+        host, port = _host_port(address.removeprefix(NIXL_PREFIX))
         raw = tcp.connect(host, port, timeout_s=timeout_s)
         sock = raw.sock
     try:
@@ -180,6 +202,8 @@ def dial(address: str, secret: bytes | None, timeout_s: float = 5.0, idle_timeou
         t: SocketTransport | shm.ShmTransport = raw
         if address.startswith(SHM_PREFIX):
             t = shm.ShmTransport(sock, ring.slot_bytes, ring.slots, timeout_s)
+        elif address.startswith(NIXL_PREFIX):
+            t = _nixl_ring(sock, ring, timeout_s)
     except (KVPortError, OSError):
         with contextlib.suppress(OSError):
             sock.close()
@@ -188,5 +212,5 @@ def dial(address: str, secret: bytes | None, timeout_s: float = 5.0, idle_timeou
     return t
 
 
-__all__ = ["HANDSHAKE_S", "MIN_SECRET_BYTES", "SHM_PREFIX", "LinkListener", "Pending", "ShmRing", "dial",
+__all__ = ["HANDSHAKE_S", "MIN_SECRET_BYTES", "NIXL_PREFIX", "SHM_PREFIX", "LinkListener", "Pending", "ShmRing", "dial",
            "parse_address"]

@@ -28,6 +28,11 @@ typed error (TransferError family: the caller falls back to the store, or recomp
 contract, a NIXL failure (a peer that died, metadata of an agent that is gone, a descriptor outside
 the registered memory), a checksum the receiver refused, a control channel that broke or stalled.
 
+The same NIXL agents also carry kvport's ordinary byte stream (:class:`NixlRingTransport`, the
+``nixl:HOST:PORT`` links of :mod:`kvport.transfer.links` that the vLLM hand-off streams over): there
+the frames, credits, checksums and commits are exactly those of every other link, and NIXL moves
+the stream's bytes between the two sides' registered rings.
+
 NIXL is ``kvport[nixl]`` (the ``nixl-cu12`` wheel, installed ``--no-deps`` beside numpy; on a CPU its
 UCX backend moves DRAM by cross-memory attach or TCP: ``UCX_TLS``). Metadata a peer sends is capped
 (:data:`MAX_AGENT_METADATA`) and never unpickled.
@@ -36,8 +41,12 @@ UCX backend moves DRAM by cross-memory attach or TCP: ``UCX_TLS``). Metadata a p
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
+import socket
+import struct
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +68,7 @@ from kvport.protocol.frame import MsgType
 from kvport.protocol.sync import FrameIO
 from kvport.protocol.transfer import TransferMeta
 from kvport.spec import KVSpec
+from kvport.transfer import shm
 from kvport.transfer import tcp as tcp_mod
 from kvport.transfer.meta import check_compatible
 
@@ -69,12 +79,23 @@ WINDOW = 2  # pieces in flight at once (all at once, UCX completes them together
 
 
 def _api() -> Any:
-    """NIXL's Python API (``nixl_cu12``, else the ``nixl`` meta-package's pick); MissingExtraError without."""
+    """NIXL's Python API (``nixl_cu12``, else the ``nixl`` meta-package's pick); MissingExtraError without.
+
+    NIXL configures its ``nixl`` logger at import with a handler on stdout (and turns off
+    ``logging.raiseExceptions`` for the whole process): its lines go to stderr instead, where logs
+    belong (a ``kvport bench`` prints its JSON report on stdout), and the process's setting is kept."""
     for mod in ("nixl_cu12._api", "nixl._api"):
+        raising = logging.raiseExceptions
         try:
-            return __import__(mod, fromlist=["nixl_agent"])
+            api = __import__(mod, fromlist=["nixl_agent"])
         except ImportError:
             continue
+        finally:
+            logging.raiseExceptions = raising
+        for h in logging.getLogger("nixl").handlers:
+            if isinstance(h, logging.StreamHandler) and h.stream is sys.stdout:
+                h.setStream(sys.stderr)
+        return api
     raise MissingExtraError("the NIXL transport needs the nixl extra: pip install --no-deps nixl-cu12 "
                             "(numpy beside it)", "nixl", ("nixl_cu12",))
 
@@ -353,3 +374,97 @@ class NixlSender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ---------------------------------------------------------------------- the byte stream over NIXL
+_RING_HELLO = struct.Struct("<II")  # slot bytes, slots: the ring each side sends from
+_RING_AGENT = struct.Struct("<IIQ")  # agent name length, metadata length, address of the incoming ring
+MAX_RING_BYTES = 1 << 30
+
+
+class NixlRingTransport(shm.ShmTransport):
+    """kvport's byte stream (:class:`~kvport.protocol.transport.Transport`) between two NIXL agents,
+    over an authenticated control socket; the ring protocol of :class:`~kvport.transfer.shm.ShmTransport`
+    with NIXL in place of shared memory::
+
+        each side: one registered buffer  [ outgoing staging: R | incoming: the peer's R ]
+        sender:    copy parts into its staging at head % R -> NIXL WRITE of those bytes into the
+                   peer's incoming ring at the same position, wait for it -> FILLED(pos, n) on the
+                   control socket; a send of up to 64 KiB (a frame head, a credit) goes inside the
+                   control message instead (DATA): one socket write, no NIXL round trip
+        receiver:  copy out of its incoming ring into its own buffers -> FREED, as on shared memory
+
+    The handshake runs on the control socket after kvport's link handshake: each side names its ring
+    (slot bytes, slots; at most 1 GiB), then its agent (name, metadata, capped and never unpickled)
+    and where its incoming ring is registered. A WRITE that fails or does not complete within the
+    transport's timeout is a PeerError, like a reset socket; what was announced before it is whole."""
+
+    inline_below = 64 << 10
+
+    def _open_rings(self, ctrl: socket.socket, slot_bytes: int,
+                    n_slots: int) -> tuple[memoryview, memoryview, int, int]:
+        self.name = "nixl"
+        shm._sendall(ctrl, _RING_HELLO.pack(slot_bytes, n_slots), "nixl handshake")
+        in_slot_bytes, in_slots = _RING_HELLO.unpack(shm._recv_exact(ctrl, _RING_HELLO.size, "nixl handshake"))
+        out_bytes, in_bytes = slot_bytes * n_slots, in_slot_bytes * in_slots
+        if not (0 < in_bytes <= MAX_RING_BYTES and in_slot_bytes > 0 and 0 < out_bytes <= MAX_RING_BYTES):
+            raise PeerError(f"nixl: a ring of {in_slot_bytes} x {in_slots} bytes (at most {MAX_RING_BYTES} in all)")
+        self._mem = np.empty(out_bytes + in_bytes, dtype=np.uint8)
+        self._mem.fill(0)  # every page faulted now, not in the stream
+        self._agent = _Agent("link", self._mem)
+        self._peer = ""
+        try:
+            name, md = self._agent.name.encode(), self._agent.metadata()
+            shm._sendall(ctrl, _RING_AGENT.pack(len(name), len(md), self._agent.addr + out_bytes) + name + md,
+                         "nixl handshake")
+            ln, lm, self._peer_in = _RING_AGENT.unpack(shm._recv_exact(ctrl, _RING_AGENT.size, "nixl handshake"))
+            if not 0 < ln <= MAX_AGENT_NAME or not 0 < lm <= MAX_AGENT_METADATA or not 0 < self._peer_in < 1 << 64:
+                raise PeerError("nixl: the peer's agent announcement is out of bounds")
+            peer = shm._recv_exact(ctrl, ln, "nixl handshake").decode("ascii", "replace")
+            peer_md = shm._recv_exact(ctrl, lm, "nixl handshake")
+            try:
+                added = self._agent.agent.add_remote_agent(peer_md)
+            except Exception as exc:  # NIXL refused the metadata
+                raise PeerError(f"nixl: the peer's agent metadata was refused: {type(exc).__name__}: {exc}") from exc
+            added = added.decode() if isinstance(added, bytes) else added
+            if added != peer:
+                raise PeerError(f"nixl: the peer's metadata names agent {added!r}, not {peer!r}")
+            self._peer = peer
+        except BaseException:
+            self._agent.close()
+            raise
+        mv = self._mem.data.cast("B")
+        return mv[:out_bytes], mv[out_bytes:], in_slot_bytes, in_slots
+
+    def _push(self, pos: int, n: int) -> None:
+        a = self._agent.agent
+        h = None
+        end_by = time.monotonic() + (self.timeout_s or 30.0)
+        try:
+            local = a.get_xfer_descs([(self._agent.addr + pos, n, 0)], "DRAM")
+            remote = a.get_xfer_descs([(self._peer_in + pos, n, 0)], "DRAM")
+            h = a.initialize_xfer("WRITE", local, remote, self._peer, b"kvport-ring")
+            state = a.transfer(h)
+            while state not in ("DONE", "ERR"):
+                if time.monotonic() > end_by:
+                    raise PeerError(f"nixl: a write of {n} bytes to {self._peer} did not complete in time")
+                state = a.check_xfer_state(h)
+            if state == "ERR":
+                raise PeerError(f"nixl: a write of {n} bytes to {self._peer} failed")
+        except PeerError:
+            raise
+        except Exception as exc:  # NIXL's own errors: the peer died, its memory is gone
+            raise PeerError(f"nixl: a write to {self._peer} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if h is not None:
+                with contextlib.suppress(Exception):
+                    a.release_xfer_handle(h)
+
+    def register(self, nbytes: int) -> memoryview:
+        raise ProtocolError("nixl links carry the stream through their rings: no registered regions")
+
+    def _close_rings(self) -> None:
+        if self._peer:
+            with contextlib.suppress(Exception):
+                self._agent.agent.remove_remote_agent(self._peer)
+        self._agent.close()

@@ -55,6 +55,7 @@ from kvport.protocol.transport import Buffer, as_byte_views
 _CTRL = struct.Struct("<BxHIQ")  # kind, slot/region, nbytes, offset
 _FILLED, _FREED, _DESC, _REG, _MAPPED, _PAYLOAD = 1, 2, 3, 5, 6, 7
 _INLINE = 8  # (receiver only) stream bytes held in the queue item itself: an expanded PAYLOAD's checksums
+_DATA = 9  # small stream bytes inside the control message itself (transports with inline_below > 0)
 _MAX_PAYLOAD_CHUNKS = 1 << 20  # the wire's Limits.max_chunks: caps a PAYLOAD message at 16 MiB
 _Q = struct.Struct("<Q")
 _NAME_BYTES = 64
@@ -157,6 +158,8 @@ _Item = tuple[int, int, int, int]  # (kind, region or blob id, position, nbytes)
 
 
 class ShmTransport:
+    inline_below = 0  # a send of up to this many bytes travels inside a DATA control message (0: never)
+
     def __init__(self, ctrl: socket.socket, slot_bytes: int = 1 << 20, n_slots: int = 8,
                  timeout_s: float | None = 30.0, copy_threads: int | None = None) -> None:
         """``copy_threads``: threads the receiver copies a described payload with (default: up to
@@ -167,22 +170,9 @@ class ShmTransport:
         self.timeout_s = timeout_s
         ctrl.settimeout(timeout_s)
         self.slot_bytes, self.n_slots = slot_bytes, n_slots
-        self._out = _Segment.create(slot_bytes * n_slots)
+        self._out: _Segment | None = None  # shared memory's rings (another transport's are its own)
         self._in: _Segment | None = None
-        try:
-            name = self._out.name.encode()
-            _sendall(ctrl, _HELLO.pack(len(name), slot_bytes, n_slots) + name, "handshake")
-            ln, self.in_slot_bytes, in_slots = _HELLO.unpack(_recv_exact(ctrl, _HELLO.size, "handshake"))
-            if ln > _NAME_BYTES or not 0 < self.in_slot_bytes <= (1 << 30) or not 0 < in_slots <= 4096:
-                raise PeerError("shm: peer announced an implausible ring")
-            peer_name = _recv_exact(ctrl, ln, "handshake").decode("ascii", "replace")
-            self._in = _Segment.attach(peer_name, self.in_slot_bytes * in_slots)
-            _sendall(ctrl, b"A", "handshake")
-            _recv_exact(ctrl, 1, "handshake")
-        finally:
-            self._out.unlink()  # both sides mapped it (or the handshake failed): nothing left to leak
-        self._out_mv: memoryview = self._out.mv
-        self._in_mv: memoryview = self._in.mv
+        self._out_mv, self._in_mv, self.in_slot_bytes, in_slots = self._open_rings(ctrl, slot_bytes, n_slots)
         self.ring_bytes = slot_bytes * n_slots
         self.in_ring_bytes = self.in_slot_bytes * in_slots
         # sender: bytes written into my ring (head), published to the peer, freed by the peer
@@ -206,6 +196,30 @@ class ShmTransport:
         self._txq = bytearray()  # queued FILLED / DESC messages of the current send()
         self._peer_gone = False
         self._closed = False
+
+    def _open_rings(self, ctrl: socket.socket, slot_bytes: int,
+                    n_slots: int) -> tuple[memoryview, memoryview, int, int]:
+        """(my outgoing ring, the incoming ring I read, its slot bytes, its slots): shared memory, each
+        side's outgoing ring mapped by the other (:class:`kvport.transfer.nixl.NixlRingTransport`
+        moves them by NIXL instead)."""
+        out = self._out = _Segment.create(slot_bytes * n_slots)
+        try:
+            name = out.name.encode()
+            _sendall(ctrl, _HELLO.pack(len(name), slot_bytes, n_slots) + name, "handshake")
+            ln, in_slot_bytes, in_slots = _HELLO.unpack(_recv_exact(ctrl, _HELLO.size, "handshake"))
+            if ln > _NAME_BYTES or not 0 < in_slot_bytes <= (1 << 30) or not 0 < in_slots <= 4096:
+                raise PeerError("shm: peer announced an implausible ring")
+            peer_name = _recv_exact(ctrl, ln, "handshake").decode("ascii", "replace")
+            got = self._in = _Segment.attach(peer_name, in_slot_bytes * in_slots)
+            _sendall(ctrl, b"A", "handshake")
+            _recv_exact(ctrl, 1, "handshake")
+        finally:
+            out.unlink()  # both sides mapped it (or the handshake failed): nothing left to leak
+        return out.mv, got.mv, in_slot_bytes, in_slots
+
+    def _push(self, pos: int, n: int) -> None:
+        """Make ring bytes ``[pos, pos + n)`` of my outgoing ring visible in the peer's incoming one,
+        before they are announced (shared memory: they already are)."""
 
     def settimeout(self, timeout_s: float | None) -> None:
         """How long a wait on the peer (the control socket, ring space) may take from now on."""
@@ -259,6 +273,17 @@ class ShmTransport:
                 raw = bytes(self._rbuf[off + _CTRL.size : off + _CTRL.size + min(nb, _NAME_BYTES)])
                 self._on_reg(ident, raw.decode("ascii", "replace"), pos)
                 off += _CTRL.size + _NAME_BYTES
+                continue
+            if kind == _DATA:
+                if not 0 < nb <= self.inline_below:
+                    raise PeerError(f"shm: DATA of {nb} bytes (1..{self.inline_below})")
+                if len(self._rbuf) - off < _CTRL.size + nb:
+                    break
+                blob = self._blob_ids
+                self._blob_ids += 1
+                self._blobs[blob] = bytes(self._rbuf[off + _CTRL.size : off + _CTRL.size + nb])
+                self._ready.append((_INLINE, blob, 0, nb))
+                off += _CTRL.size + nb
                 continue
             if kind == _PAYLOAD:
                 need = _CTRL.size + 8 + 16 * nb
@@ -342,6 +367,7 @@ class ShmTransport:
         while self._published < self._head:
             pos = self._published % self.ring_bytes
             n = min(self._head - self._published, self.ring_bytes - pos)
+            self._push(pos, n)
             self._published += n  # before the message: the peer's FREED may be handled at once
             self._txq += _CTRL.pack(_FILLED, 0, n, pos)
 
@@ -349,6 +375,16 @@ class ShmTransport:
         """Copy parts into the ring (or describe registered ones); returns once all are announced.
         Registered buffers must stay unchanged until the transfer commits (the peer copies later)."""
         with self._send_lock:
+            if self.inline_below:  # a small send (a frame head, a credit): inside one control message
+                views = as_byte_views(parts)
+                n = sum(v.nbytes for v in views)
+                if 0 < n <= self.inline_below:
+                    self._publish()
+                    self._txq += _CTRL.pack(_DATA, 0, n, 0)
+                    for v in views:
+                        self._txq += v
+                    self._flush()
+                    return
             self._write(parts)
             self._publish()
             self._flush()
@@ -517,6 +553,10 @@ class ShmTransport:
         for seg in [self._out, self._in, *(r[2] for r in self._regions), *self._peer_regions.values()]:
             if seg is not None:
                 seg.close()
+        self._close_rings()
+
+    def _close_rings(self) -> None:
+        """Release what :meth:`_open_rings` made beyond the segments (nothing, on shared memory)."""
 
 
 def _address(v: memoryview) -> int:

@@ -27,7 +27,7 @@ Keys (all optional except a store location: a disk folder, Redis, a kvport serve
                            decode engine; the decode engine's load must come by then  (30)
     kvport_pd_inbox        a decode engine (kv_consumer) listens here for hand-offs
                            streamed layer by layer during the prefill
-                           (kvport.engines.vllm.stream): HOST:PORT (TCP) or shm:NAME
+                           (kvport.engines.vllm.stream): HOST:PORT (TCP), shm:NAME or nixl:HOST:PORT
                            (shared memory, producers on this host). Every connection
                            authenticates with KVPORT_PD_SECRET, signed for the
                            inbox's address: an inbox needs the secret. At tensor
@@ -112,7 +112,8 @@ class ConnectorConfig:
     pd_lease_s: float = 30.0
     async_handoff: bool = True
     idle_spin_s: float | None = None  # None: vLLM's own busy-poll window (1 s)
-    pd_inbox: str | None = None  # decode engine: where streamed hand-offs arrive (HOST:PORT or shm:NAME; one per rank)
+    # decode engine: where streamed hand-offs arrive (HOST:PORT, shm:NAME or nixl:HOST:PORT; one per rank)
+    pd_inbox: str | None = None
     pd_inbox_tokens: int = DEFAULT_INBOX_TOKENS
     pd_stream: bool = True
     pd_inbox_names: tuple[str, ...] = ()  # decode engine: other addresses its inbox is dialled by
@@ -166,8 +167,8 @@ class ConnectorConfig:
         if isinstance(inbox, list | tuple) and all(isinstance(a, str) for a in inbox):
             inbox = ",".join(inbox)  # one per tensor-parallel rank
         if inbox is not None and parse_dests(inbox) is None:
-            raise ConfigError(f"kvport_pd_inbox must be HOST:PORT or shm:NAME (a list of them, one per tensor "
-                              f"parallel rank), got {inbox!r}")
+            raise ConfigError(f"kvport_pd_inbox must be HOST:PORT, shm:NAME or nixl:HOST:PORT (a list of them, "
+                              f"one per tensor parallel rank), got {inbox!r}")
         inbox_tokens = cfg.get("kvport_pd_inbox_tokens", DEFAULT_INBOX_TOKENS)
         if not isinstance(inbox_tokens, int) or isinstance(inbox_tokens, bool) or not 0 < inbox_tokens <= 1 << 24:
             raise ConfigError(f"kvport_pd_inbox_tokens must be a positive integer, got {inbox_tokens!r}")
@@ -227,7 +228,7 @@ def _addresses(cfg: Mapping[str, Any], key: str) -> tuple[str, ...]:
     if isinstance(value, str):  # one address, or several separated by commas
         value = [v.strip() for v in value.split(",") if v.strip()]
     if not isinstance(value, list | tuple) or len(value) > 1024 or any(parse_dest(v) is None for v in value):
-        raise ConfigError(f"{key} must be a list of HOST:PORT or shm:NAME addresses, got {value!r}")
+        raise ConfigError(f"{key} must be a list of HOST:PORT, shm:NAME or nixl:HOST:PORT addresses, got {value!r}")
     return tuple(value)
 
 

@@ -46,8 +46,8 @@ MAX_RANKS = 64  # decode ranks a hand-off names inboxes for
 
 def parse_dests(value: object) -> tuple[str, ...] | None:
     """The inboxes a ``kvport_dest`` (or ``kvport_pd_inbox``) names, one per tensor-parallel rank of the
-    decode engine, comma-separated (``HOST:PORT`` or ``shm:NAME`` each; one at TP 1), or None when it
-    is not that."""
+    decode engine, comma-separated (``HOST:PORT``, ``shm:NAME`` or ``nixl:HOST:PORT`` each; one at TP 1),
+    or None when it is not that."""
     if not isinstance(value, str) or not value or len(value) > MAX_RANKS * 301:
         return None
     parts = tuple(value.split(","))
@@ -75,8 +75,8 @@ class HandoffAsk:
 
     def __post_init__(self) -> None:
         if self.dest is not None and parse_dests(self.dest) is None:
-            raise HandoffUnreadableError(f"{DEST_KEY} is HOST:PORT or shm:NAME (one per rank, comma-separated), "
-                                         f"got {self.dest[:300]!r}")
+            raise HandoffUnreadableError(f"{DEST_KEY} is HOST:PORT, shm:NAME or nixl:HOST:PORT (one per rank, "
+                                         f"comma-separated), got {self.dest[:300]!r}")
 
     @property
     def dests(self) -> tuple[str, ...]:
@@ -101,8 +101,8 @@ class HandoffAsk:
             return cls()
         if parse_dests(dest) is None:
             shown = dest[:64] if isinstance(dest, str) else type(dest).__name__
-            raise HandoffUnreadableError(f"{DEST_KEY} is HOST:PORT or shm:NAME (one per rank, comma-separated), "
-                                         f"got {shown!r}")
+            raise HandoffUnreadableError(f"{DEST_KEY} is HOST:PORT, shm:NAME or nixl:HOST:PORT (one per rank, "
+                                         f"comma-separated), got {shown!r}")
         return cls(dest)
 
 

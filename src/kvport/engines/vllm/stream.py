@@ -439,7 +439,7 @@ class InboxDestination:
 
 class InboxServer(HandoffListener):
     """The decode worker's listener: the one hand-off's receiving side
-    (:class:`~kvport.transfer.handoff.HandoffListener`: ``HOST:PORT`` or ``shm:NAME``, every
+    (:class:`~kvport.transfer.handoff.HandoffListener`: ``HOST:PORT``, ``shm:NAME`` or ``nixl:HOST:PORT``, every
     connection authenticated with the deployment's secret, the handshake bound to this inbox's
     address, at most ``max_connections`` at once, a transfer still receiving ``transfer_s`` after its
     TRANSFER_BEGIN abandoned) serving a :class:`Receiver` into the inbox per connection. With the

@@ -143,3 +143,84 @@ def test_a_bad_grant_or_a_dead_peer_is_a_typed_error_within_the_deadline(peer: _
         assert isinstance(ei.value, PeerError) and "NIXL" in str(ei.value)
     got = peer.result()
     assert got is None or got[0] == "error"  # never "ok": nothing linked
+
+
+# ------------------------------------------------------------------ nixl:HOST:PORT links (NixlRingTransport)
+SECRET = b"a-link-secret-of-at-least-16-bytes"
+
+
+def _ring_child(conn: Any, mode: str) -> None:  # the listening side of a nixl: link
+    from kvport.transfer import links
+
+    ln = links.LinkListener("nixl:127.0.0.1:0", SECRET)
+    conn.send(ln.address)
+    t = ln.accept(20).authenticate()
+    if mode == "die":  # reads the first bytes of a large send, then dies with the rest under way
+        t.recv_into([memoryview(bytearray(1 << 20))])
+        os._exit(3)
+    n = conn.recv()
+    buf = bytearray(n)
+    t.recv_into([memoryview(buf)])
+    t.send([buf])  # and back: the stream carries large sends both ways
+    conn.send(memops.xxh3_many([memoryview(buf)]))
+    conn.recv()
+
+
+@pytest.fixture
+def ring_peer() -> Iterator[Any]:
+    ctx = mp.get_context("spawn")
+    procs: list[Any] = []
+
+    def start(mode: str) -> tuple[Any, str]:
+        here, there = ctx.Pipe()
+        p = ctx.Process(target=_ring_child, args=(there, mode), daemon=True)
+        p.start()
+        procs.append(p)
+        return here, here.recv()
+
+    yield start
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+
+
+def test_a_nixl_link_carries_the_stream_exact_both_ways(ring_peer: Any) -> None:
+    from kvport.transfer import links
+
+    conn, address = ring_peer("echo")
+    assert address.startswith("nixl:127.0.0.1:")
+    t = links.dial(address, SECRET, timeout_s=20)
+    try:
+        assert t.name == "nixl"
+        data = np.random.default_rng(3).integers(0, 256, 40 << 20, dtype=np.uint8)  # ring laps, NIXL writes
+        conn.send(data.nbytes)
+        t.send([data.data[: 7 << 20], data.data[7 << 20 :]])
+        back = bytearray(data.nbytes)
+        t.recv_into([memoryview(back)])
+        assert conn.recv() == memops.xxh3_many([data.data]) and bytes(back) == data.tobytes()
+        conn.send("bye")
+    finally:
+        t.close()
+
+
+def test_a_nixl_peer_that_dies_mid_stream_is_a_peer_error_not_a_hang(ring_peer: Any) -> None:
+    from kvport.transfer import links
+
+    _, address = ring_peer("die")
+    t = links.dial(address, SECRET, timeout_s=5)
+    try:
+        with pytest.raises(PeerError):
+            for _ in range(64):  # 32 MiB rings: the writes outrun what a dead reader frees
+                t.send([np.zeros(4 << 20, np.uint8).data])
+    finally:
+        t.close()
+
+
+def test_a_nixl_link_refuses_a_peer_without_the_secret(ring_peer: Any) -> None:
+    from kvport.errors import AuthError
+    from kvport.transfer import links
+
+    conn, address = ring_peer("echo")
+    with pytest.raises(AuthError):
+        links.dial(address, b"another-secret-of-at-least-16-bytes", timeout_s=5)

@@ -5,7 +5,8 @@ streamed hand-off and recompute (``kvport bench scaleout``'s ``links.NAME.pd_*``
 
     namespace A (the prefill host)              namespace B (the decode host)
       vllm serve, kv_producer  --- the KV, streamed layer by layer -->  vllm serve, kv_consumer (its inbox)
-      cores ``prefill_cores``     over the shaped veth (HMAC link)      cores ``decode_cores``
+      cores ``prefill_cores``     over the shaped veth (HMAC link;      cores ``decode_cores``
+                                  TCP, or NIXL with UCX on TCP)
                                <-- the one-token prefill request ---   kvport proxy --pd plan  <-- this process
                                                                         (the client, in B)
 
@@ -45,6 +46,7 @@ from typing import Any
 from kvport.bench.pd import Answer, completion_body, prompt_tokens, request
 from kvport.config import Settings
 from kvport.deploy.vllm_serve import EngineServer, ProxyServer, free_port, listen_port, stop_on_sigterm
+from kvport.errors import ConfigError
 from kvport.evidence.netlink import ShapedLink, in_netns
 from kvport.proxy.service import PATH_HEADER, PD_HEADER, PREDICTED_HEADER
 
@@ -109,9 +111,13 @@ def _state(proxy: ProxyServer) -> dict[str, Any]:
 
 
 def run_on_link(link: ShapedLink, *, quick: bool, trials: int | None = None, cores: tuple[str, str] | None = None,
-                keep: Path | None = None) -> dict[str, Any]:
+                keep: Path | None = None, stream: str = "tcp") -> dict[str, Any]:
     """The whole measurement on an up ``link`` (module docstring); raises EngineError when an engine
-    cannot start."""
+    cannot start. ``stream``: the hand-off's link, ``tcp`` (kvport's TCP transport) or ``nixl``
+    (``nixl:HOST:PORT``, UCX held to TCP: on one host it would otherwise pick cross-memory attach and
+    bypass the emulated link)."""
+    if stream not in ("tcp", "nixl"):
+        raise ConfigError(f"the hand-off across a link streams over tcp or nixl, got {stream!r}")
     from kvport.engines.vllm.identity import engine_spec
 
     settings = Settings.from_env()
@@ -125,13 +131,14 @@ def run_on_link(link: ShapedLink, *, quick: bool, trials: int | None = None, cor
         root = Path(d)
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else root
         stores = [tempfile.mkdtemp(prefix=f"kvport-pd-link-{side}-", dir=shm) for side in "ab"]
-        inbox = f"{link.addr[1]}:{listen_port()}"
+        inbox = f"{'nixl:' if stream == 'nixl' else ''}{link.addr[1]}:{listen_port()}"
+        ucx = {"UCX_TLS": "tcp,self"} if stream == "nixl" else {}
         pre = EngineServer(model, free_port(), role="kv_producer", host=link.addr[0], netns=link.ns[0],
                            extra={"kvport_disk_dir": stores[0], "kvport_pd_destinations": [inbox]},
-                           log=root / "prefill.log", env={"VLLM_CPU_OMP_THREADS_BIND": pre_cores})
+                           log=root / "prefill.log", env={"VLLM_CPU_OMP_THREADS_BIND": pre_cores, **ucx})
         dec = EngineServer(model, free_port(), role="kv_consumer", host=link.addr[1], netns=link.ns[1],
                            extra={"kvport_disk_dir": stores[1], "kvport_pd_inbox": inbox},
-                           log=root / "decode.log", env={"VLLM_CPU_OMP_THREADS_BIND": dec_cores})
+                           log=root / "decode.log", env={"VLLM_CPU_OMP_THREADS_BIND": dec_cores, **ucx})
         proxy = ProxyServer([pre.url], [dec.url], root / "proxy.log", decode_inbox=[inbox], netns=link.ns[1],
                             args=["--pd", "plan", "--pd-link", f"{link.shape.rate_mbit:g}Mbps",
                                   "--kv-bytes-per-token", str(spec.bytes_per_token)])
@@ -143,7 +150,8 @@ def run_on_link(link: ShapedLink, *, quick: bool, trials: int | None = None, cor
             proxy.start()
             with in_netns(link.ns[1]):  # this thread is the client, on the decode host
                 return _measure(link, pre, dec, proxy, inbox, cal, val, trials, rng,
-                                {"prefill_cores": pre_cores, "decode_cores": dec_cores,
+                                {"prefill_cores": pre_cores, "decode_cores": dec_cores, "inbox": inbox,
+                                 "stream": stream + (" (UCX_TLS=tcp,self)" if stream == "nixl" else ""),
                                  "kv_bytes_per_token": spec.bytes_per_token})
         finally:
             proxy.stop()

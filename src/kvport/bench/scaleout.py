@@ -41,7 +41,8 @@ Parts (each ``null`` with its reason when its component cannot start)::
         ``kvport bench transfer``'s shm path does; the receiver verifies every block as its piece
         lands, while the next pieces are written). ``null`` with the reason where NIXL is not installed.
 
-``--set values=N size=BYTES trials=T slots=S links=10g-50us,1g-1ms pd=false pd_cores=0-1/1 pd_trials=3``
+``--set values=N size=BYTES trials=T slots=S links=10g-50us,1g-1ms pd=false pd_cores=0-1/1 pd_trials=3
+pd_stream=tcp|nixl``
 (``--quick``: fewer and smaller).
 """
 
@@ -307,9 +308,10 @@ def _pd_across(name: str, opts: SuiteOptions) -> dict[str, Any]:
         pre, _, dec = str(opts.extra["pd_cores"]).partition("/")
         cores = (pre, dec)
     trials = int(opts.extra["pd_trials"]) if "pd_trials" in opts.extra else None
+    stream = str(opts.extra.get("pd_stream", "tcp"))
     try:
         with ShapedLink(name) as link:
-            return pd_link.run_on_link(link, quick=opts.quick, trials=trials, cores=cores)
+            return pd_link.run_on_link(link, quick=opts.quick, trials=trials, cores=cores, stream=stream)
     except (KVPortError, OSError) as exc:
         return {"pd_ttft_vs_best_option": None, "pd_reason": f"{type(exc).__name__}: {exc}"}
 

@@ -129,9 +129,9 @@ class EngineServer:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.metrics_dir, ignore_errors=True)  # must start empty (stale files sum into the counts)
         self.metrics_dir.mkdir(parents=True)
-        with self.log.open("ab") as out, _netns(self.netns):
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(_in_netns_argv(self.netns, self.argv), stdout=out, stderr=subprocess.STDOUT,
+                                         env=self.env, start_new_session=True)
         return self
 
     def tail(self, n: int = 2000) -> str:
@@ -182,9 +182,16 @@ class EngineServer:
         self.proc = None
 
 
+def _in_netns_argv(name: str | None, argv: Sequence[str]) -> list[str]:
+    """``argv`` run inside network namespace ``name`` as another host would run it: ``ip netns exec``
+    also mounts that namespace's own /sys, so what lists interfaces there (UCX's TCP transport) sees the
+    namespace's, not this host's."""
+    return list(argv) if name is None else ["ip", "netns", "exec", name, *argv]
+
+
 def _netns(name: str | None) -> contextlib.AbstractContextManager[None]:
-    """The calling thread in network namespace ``name`` inside the block (processes started there
-    stay in it); no namespace: nothing changes."""
+    """The calling thread in network namespace ``name`` inside the block (the sockets it opens there
+    belong to it); no namespace: nothing changes."""
     if name is None:
         return contextlib.nullcontext()
     from kvport.evidence.netlink import in_netns
@@ -322,8 +329,8 @@ class ProxyServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 30.0) -> ProxyServer:
-        with self.log.open("ab") as err, _netns(self.netns):
-            self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=err)
+        with self.log.open("ab") as err:
+            self.proc = subprocess.Popen(_in_netns_argv(self.netns, self.argv), stdout=subprocess.DEVNULL, stderr=err)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -110,15 +110,18 @@ def available() -> str | None:
 
 
 class _Agent:
-    """One NIXL agent with one registered DRAM buffer (``buf``: contiguous uint8)."""
+    """One NIXL agent with one registered DRAM buffer (``buf``: contiguous uint8). ``progress_thread``:
+    NIXL's own progress thread, which polls without pause (a whole core per agent, measured here, idle
+    or not); without it the agent progresses only when its owner polls it."""
 
-    def __init__(self, role: str, buf: np.ndarray) -> None:
+    def __init__(self, role: str, buf: np.ndarray, *, progress_thread: bool = True) -> None:
         if buf.dtype != np.uint8 or not buf.flags.c_contiguous:
             raise ProtocolError("a NIXL buffer must be contiguous uint8")
         api = _api()
         self.name = f"kvport-{role}-{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+            self.agent = api.nixl_agent(self.name, api.nixl_agent_config(enable_prog_thread=progress_thread,
+                                                                         backends=["UCX"]))
             self.addr, self.nbytes = int(buf.ctypes.data), int(buf.nbytes)
             self._reg = self.agent.register_memory([(self.addr, self.nbytes, 0, "")], "DRAM")
         except Exception as exc:  # NIXL's own errors (nixlBackendError, ...): no kvport type below
@@ -380,6 +383,7 @@ class NixlSender:
 _RING_HELLO = struct.Struct("<II")  # slot bytes, slots: the ring each side sends from
 _RING_AGENT = struct.Struct("<IIQ")  # agent name length, metadata length, address of the incoming ring
 MAX_RING_BYTES = 1 << 30
+_POSTED = 10  # control kind: a WRITE into the receiver's ring is posted (the receiver progresses until it lands)
 
 
 class NixlRingTransport(shm.ShmTransport):
@@ -397,7 +401,14 @@ class NixlRingTransport(shm.ShmTransport):
     The handshake runs on the control socket after kvport's link handshake: each side names its ring
     (slot bytes, slots; at most 1 GiB), then its agent (name, metadata, capped and never unpickled)
     and where its incoming ring is registered. A WRITE that fails or does not complete within the
-    transport's timeout is a PeerError, like a reset socket; what was announced before it is whole."""
+    transport's timeout is a PeerError, like a reset socket; what was announced before it is whole.
+
+    The agents run without NIXL's progress thread (it polls a core per agent, idle or not: an open
+    inbox link would take a core from the engines for as long as it is pooled). Each side progresses
+    its own agent only while a write is under way: the sender polls its WRITE to completion, and
+    announces it first (POSTED on the control socket), so that the receiver polls its agent until the
+    write's notification arrives (UCX over TCP needs the target to progress; cross-memory attach does
+    not, but the notification still does). Idle links cost nothing."""
 
     inline_below = 64 << 10
 
@@ -411,8 +422,9 @@ class NixlRingTransport(shm.ShmTransport):
             raise PeerError(f"nixl: a ring of {in_slot_bytes} x {in_slots} bytes (at most {MAX_RING_BYTES} in all)")
         self._mem = np.empty(out_bytes + in_bytes, dtype=np.uint8)
         self._mem.fill(0)  # every page faulted now, not in the stream
-        self._agent = _Agent("link", self._mem)
+        self._agent = _Agent("link", self._mem, progress_thread=False)
         self._peer = ""
+        self._posted = self._notified = 0  # the peer's writes announced to me / whose notification came
         try:
             name, md = self._agent.name.encode(), self._agent.metadata()
             shm._sendall(ctrl, _RING_AGENT.pack(len(name), len(md), self._agent.addr + out_bytes) + name + md,
@@ -436,10 +448,29 @@ class NixlRingTransport(shm.ShmTransport):
         mv = self._mem.data.cast("B")
         return mv[:out_bytes], mv[out_bytes:], in_slot_bytes, in_slots
 
+    def _on_ctrl(self, kind: int, ident: int, nbytes: int, pos: int) -> bool:
+        if kind != _POSTED or not 0 < nbytes <= self.in_ring_bytes:
+            return False
+        self._posted += 1  # progress my agent until that write's notification came (it lands meanwhile)
+        a = self._agent.agent
+        end_by = time.monotonic() + (self.timeout_s or 30.0)
+        try:
+            while self._notified < self._posted:
+                got = a.get_new_notifs()
+                self._notified += len(got.get(self._peer, ())) if got else 0
+                if self._notified < self._posted and time.monotonic() > end_by:
+                    raise PeerError(f"nixl: a write of {nbytes} bytes from {self._peer} never completed")
+        except PeerError:
+            raise
+        except Exception as exc:  # NIXL's own errors
+            raise PeerError(f"nixl: progress failed: {type(exc).__name__}: {exc}") from exc
+        return True
+
     def _push(self, pos: int, n: int) -> None:
         a = self._agent.agent
         h = None
         end_by = time.monotonic() + (self.timeout_s or 30.0)
+        self._ctrl_send(shm._CTRL.pack(_POSTED, 0, n, pos), "send")  # the peer progresses its agent
         try:
             local = a.get_xfer_descs([(self._agent.addr + pos, n, 0)], "DRAM")
             remote = a.get_xfer_descs([(self._peer_in + pos, n, 0)], "DRAM")

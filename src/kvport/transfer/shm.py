@@ -217,6 +217,10 @@ class ShmTransport:
             out.unlink()  # both sides mapped it (or the handshake failed): nothing left to leak
         return out.mv, got.mv, in_slot_bytes, in_slots
 
+    def _on_ctrl(self, kind: int, ident: int, nbytes: int, pos: int) -> bool:
+        """A control message of a kind this transport adds (True: handled); shared memory adds none."""
+        return False
+
     def _push(self, pos: int, n: int) -> None:
         """Make ring bytes ``[pos, pos + n)`` of my outgoing ring visible in the peer's incoming one,
         before they are announced (shared memory: they already are)."""
@@ -303,6 +307,8 @@ class ShmTransport:
                 self._freed = pos  # cumulative bytes of my ring the peer consumed
             elif kind == _MAPPED and ident < len(self._regions):
                 self._regions[ident][2].unlink()  # the peer mapped it: nothing left to leak
+            elif self._on_ctrl(kind, ident, nb, pos):
+                pass
             else:
                 raise PeerError(f"shm: bad control message kind={kind} id={ident} n={nb} off={pos}")
         del self._rbuf[:off]

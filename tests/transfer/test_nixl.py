@@ -221,6 +221,6 @@ def test_a_nixl_link_refuses_a_peer_without_the_secret(ring_peer: Any) -> None:
     from kvport.errors import AuthError
     from kvport.transfer import links
 
-    conn, address = ring_peer("echo")
+    _, address = ring_peer("echo")
     with pytest.raises(AuthError):
         links.dial(address, b"another-secret-of-at-least-16-bytes", timeout_s=5)

@@ -42,7 +42,7 @@ def land(box: Inbox, sid: str, keys: tuple[bytes, ...]) -> None:
     box.destination(TransferMeta(SPEC, sid, keys)).commit()
 
 
-served = inbox  # the decode engine's inbox on loopback TCP and on shared memory (test_vllm_stream's fixture)
+served = inbox  # the decode engine's inbox on loopback TCP, shared memory and NIXL (test_vllm_stream's fixture)
 
 
 # ---------------------------------------------------------------------- completeness
@@ -173,8 +173,8 @@ def raw_connect(address: str) -> socket.socket:
     if address.startswith("shm:"):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect("\0" + address[4:])
-    else:
-        host, _, port = address.rpartition(":")
+    else:  # HOST:PORT, or nixl:HOST:PORT (its control socket)
+        host, _, port = address.removeprefix(links.NIXL_PREFIX).rpartition(":")
         s = socket.create_connection((host, int(port)))
     return s
 

@@ -12,11 +12,13 @@ contract in pyproject.toml; names joined by ``|`` share a layer and do not impor
                                 measured in fresh engines); the prefill/decode proxy (`kvport proxy`)
     engines | server            transformers / vLLM adapters (engines/vllm: only what vLLM loads); the
                                 shared-tier server (`kvport serve`)
-    planner                     transfer vs recompute vs compress: cost model + calibration
+    planner | route             transfer vs recompute vs compress: cost model + calibration; KV-aware
+                                routing (the prefix index built from KV events)
     evidence                    physical limits measured in the same run (memcpy, raw socket, disk, redis),
                                 timing, page-cache dropping: what every benchmark compares against
-    transfer | client           sender/receiver, transports (inproc, shm, tcp, striped), credits; the
-                                client of a kvport server (RemoteTier, the store port)
+    transfer | client | events  sender/receiver, transports (inproc, shm, tcp, striped, nixl), credits; the
+                                client of a kvport server (RemoteTier, the store port); KV events in
+                                vLLM's format and their ZeroMQ publisher and subscription
     protocol                    the wire: frames, typed messages, the one handshake, blocking and asyncio shells
     store                       TieredStore: lookup, put/get, promote/evict, prefetch, lifetimes
     ledger                      ownership, leases, pins: the only place that changes a block's owner

@@ -267,4 +267,4 @@ class Subscription:
         self.close()
 
 
-__all__ = ["END_SEQ", "MAX_FRAME_BYTES", "EventPublisher", "Delivery", "Subscription"]
+__all__ = ["END_SEQ", "MAX_FRAME_BYTES", "Delivery", "EventPublisher", "Subscription"]

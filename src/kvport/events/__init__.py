@@ -6,4 +6,5 @@ Modules::
 
     wire    the events and their batches in vLLM's format; a decoder that caps everything (pure)
     bus     EventPublisher (PUB + ROUTER replay, its own thread) and Subscription (SUB, gaps replayed)
+    store   StoreEvents: a TieredStore's tier changes as events (which tier, medium, locality)
 """

@@ -39,7 +39,7 @@ from kvport.store.expiry import Expiry
 from kvport.store.health import TierHealth
 from kvport.store.index import TierIndex
 from kvport.store.lifetime import LifetimePolicy
-from kvport.store.types import Reserved
+from kvport.store.types import Reserved, TierChanges
 from kvport.tiers.base import BlockMeta, Tier
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,10 @@ class Meta:
         return BlockMeta(self.parent, self.lifetime, self.ttl_s, self.account, self.attrs)
 
 
+def _tier_changes(changes: TierChanges, name: str) -> Callable[[bool, bytes, bytes | None], None]:
+    return lambda stored, key, parent: changes(name, stored, key, parent)
+
+
 class TierCounts:
     """One tier's counters, each beside its metric (the metric's child looked up once)."""
 
@@ -83,7 +87,8 @@ class TierCounts:
 
 class Catalog:
     def __init__(self, tiers: dict[str, Tier], eviction: str, ledger: Ledger, policy: LifetimePolicy,
-                 clock: Callable[[], float], retry_broken_s: float, keep_orphans: bool) -> None:
+                 clock: Callable[[], float], retry_broken_s: float, keep_orphans: bool,
+                 changes: TierChanges | None = None) -> None:
         self.tiers = tiers  # the store's own dict
         self.names = tuple(tiers)
         self.ledger = ledger
@@ -91,7 +96,8 @@ class Catalog:
         self.clock = clock
         self.keep_orphans = keep_orphans
         self.records: dict[bytes, Meta] = {}
-        self.idx = {n: TierIndex(make_policy(eviction), t.capacity_bytes) for n, t in tiers.items()}
+        self.idx = {n: TierIndex(make_policy(eviction), t.capacity_bytes,
+                                 None if changes is None else _tier_changes(changes, n)) for n, t in tiers.items()}
         self.reserved: dict[bytes, Reserved] = {}
         self.in_flight_parents: dict[bytes, int] = {}
         self.usage: dict[str, int] = {}

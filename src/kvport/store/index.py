@@ -11,6 +11,10 @@ parent never leaves before its children::
     an entry is stale when the key is gone, its priority changed, or it gained a child.
     When a leaf leaves, its parent may become a leaf and is pushed with its current priority.
 
+Listeners: ``on_change(stored, key, parent)`` (optional) is told of every key that enters
+(``stored`` True) or leaves (False) the index, after the change, on the caller's thread: the
+store's KV events (:mod:`kvport.events.store`) come from here, so no way in or out is missed.
+
 Every hit pushes an entry and leaves the old one stale, so a pool that is read but never evicts
 would grow the heap without bound. A push that finds the heap over ``2 x entries + 64`` compacts
 it: every stale item dropped, one item kept per leaf (the one that would pop first), heapified.
@@ -38,10 +42,14 @@ class _Entry:
     children: int = 0
 
 
+Changes = Callable[[bool, bytes, "bytes | None"], None]
+
+
 class TierIndex:
-    def __init__(self, policy: EvictionPolicy, capacity: int) -> None:
+    def __init__(self, policy: EvictionPolicy, capacity: int, on_change: Changes | None = None) -> None:
         self.policy = policy
         self.capacity = capacity
+        self.on_change = on_change
         self.used = 0
         self._entries: dict[bytes, _Entry] = {}
         self._heap: list[tuple[float, int, bytes]] = []
@@ -104,6 +112,8 @@ class TierIndex:
         if e.parent is not None:
             self._entries[e.parent].children += 1
         self._push(key, e)
+        if self.on_change is not None:
+            self.on_change(True, key, e.parent)
 
     def touch(self, key: bytes) -> None:
         e = self._entries.get(key)
@@ -132,6 +142,8 @@ class TierIndex:
             for c in self._entries.values():  # rare: only when a non-leaf is removed on purpose
                 if c.parent == key:
                     c.parent = None
+        if self.on_change is not None:
+            self.on_change(False, key, e.parent)
         return e.size
 
     # ------------------------------------------------------------------ eviction order

@@ -50,7 +50,7 @@ from kvport.store.placement import Placement
 from kvport.store.reads import Reads
 from kvport.store.reserve import ZeroCopy
 from kvport.store.shared import SharedView
-from kvport.store.types import LookupResult, ReadViews, Reserved, StoreStats, TierPolicy, WriteMode
+from kvport.store.types import LookupResult, ReadViews, Reserved, StoreStats, TierChanges, TierPolicy, WriteMode
 from kvport.tiers.base import BlockMeta, Buffer, Tier, byte_view
 
 __all__ = ["ReadViews", "Reserved", "TieredStore"]
@@ -61,10 +61,12 @@ class TieredStore:
                  eviction: str = DEFAULT_POLICY, *, tier_policies: Mapping[str, TierPolicy] | None = None,
                  clock: Callable[[], float] = time.monotonic, retry_broken_s: float = 1.0,
                  adopt_persistent: bool = True, quotas: Mapping[str, int] | None = None,
-                 keep_orphans: bool = True, keep_spillable: tuple[str, str] | None = None) -> None:
-        """``quotas``: bytes per account (blocks put with that ``account``); ``keep_orphans=False``:
-        a persistent tier's block whose parent did not survive a restart is dropped at adoption (a
-        child without its parent can never be hit); ``keep_spillable``: (upper, lower), see
+                 keep_orphans: bool = True, keep_spillable: tuple[str, str] | None = None,
+                 changes: TierChanges | None = None) -> None:
+        """``changes``: told of every block that enters or leaves a tier (the store's KV events,
+        :mod:`kvport.events.store`); ``quotas``: bytes per account (blocks put with that ``account``);
+        ``keep_orphans=False``: a persistent tier's block whose parent did not survive a restart is
+        dropped at adoption (a child without its parent can never be hit); ``keep_spillable``: (upper, lower), see
         :mod:`kvport.store.mover`."""
         if not tiers:
             raise ConfigError("a TieredStore needs at least one tier")
@@ -89,7 +91,8 @@ class TieredStore:
             raise ConfigError(f"{names[0]} is the top tier: nothing is above it to write behind")
         self._lock = StoreLock()
         busy = Busy()
-        self._cat = cat = Catalog(self.tiers, eviction, self.ledger, self.policy, clock, retry_broken_s, keep_orphans)
+        self._cat = cat = Catalog(self.tiers, eviction, self.ledger, self.policy, clock, retry_broken_s, keep_orphans,
+                                  changes)
         self._meta, self._idx, self._health = cat.records, cat.idx, cat.health
         self._mover = Mover(cat, busy, self.tier_policies, self.quotas, keep_spillable)
         self._try_drop = self._mover.try_drop

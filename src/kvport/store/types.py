@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kvport.errors import ConfigError
 from kvport.ledger import Owner
 from kvport.lifetime import Lifetime
+
+TierChanges = Callable[[str, bool, bytes, "bytes | None"], None]
+"""``(tier, stored, key, parent)``: a block entered (``stored``) or left a tier's index. Called under
+the store's lock: a listener queues and returns (:class:`kvport.events.store.StoreEvents` does)."""
 
 
 class WriteMode(enum.Enum):

@@ -7,13 +7,13 @@ import pytest
 
 from kvport.errors import ConfigError
 from kvport.route.index import Match, Place
-from kvport.route.policy import Costs, EngineState, Router
+from kvport.route.policy import Costs, EngineState, PrefixRouter
 
 COSTS = Costs(prefill_fixed_s=0.01, prefill_token_s=1e-3, load_block_s=(0.0, 1e-3, 4e-3, 8e-3, 8e-3))
 
 
 def test_the_engine_holding_the_prefix_wins_until_its_queue_costs_more() -> None:
-    r = Router("prefix", COSTS)
+    r = PrefixRouter("prefix", COSTS)
     engines = [EngineState("a"), EngineState("b")]
     held = [Match("b", 30, (Place.DEVICE,) * 30)]  # 960 of 1000 tokens (32-token blocks) on b's device
     got = r.choose(engines, held, 1000, 32)
@@ -25,14 +25,14 @@ def test_the_engine_holding_the_prefix_wins_until_its_queue_costs_more() -> None
 
 
 def test_a_device_hit_beats_the_same_prefix_on_remote_storage() -> None:
-    r = Router("prefix", COSTS)
+    r = PrefixRouter("prefix", COSTS)
     held = [Match("a", 10, (Place.REMOTE_STORAGE,) * 10), Match("b", 10, (Place.DEVICE,) * 10)]
     got = r.choose([EngineState("a"), EngineState("b")], held, 400, 32)
     assert got is not None and got.engine == "b"
 
 
 def test_nobody_holding_anything_is_least_loaded_and_the_last_token_is_always_computed() -> None:
-    r = Router("prefix", COSTS)
+    r = PrefixRouter("prefix", COSTS)
     got = r.choose([EngineState("a", running=2), EngineState("b", running=1)], [], 100, 32)
     assert got is not None and (got.engine, got.why) == ("b", "least_loaded")
     whole = Match("a", 4, (Place.DEVICE,) * 4)  # 128 tokens held of a 128-token prompt: 3 blocks usable
@@ -40,7 +40,7 @@ def test_nobody_holding_anything_is_least_loaded_and_the_last_token_is_always_co
 
 
 def test_an_engine_down_or_not_heard_from_is_never_chosen() -> None:
-    r = Router("prefix", COSTS, stale_s=5.0)
+    r = PrefixRouter("prefix", COSTS, stale_s=5.0)
     held = [Match("a", 30, (Place.DEVICE,) * 30)]
     got = r.choose([EngineState("a", heard_s_ago=9.0), EngineState("b")], held, 1000, 32)
     assert got is not None and got.engine == "b"
@@ -48,13 +48,13 @@ def test_an_engine_down_or_not_heard_from_is_never_chosen() -> None:
 
 
 def test_the_baselines_and_bad_settings() -> None:
-    rr = Router("round_robin")
+    rr = PrefixRouter("round_robin")
     engines = [EngineState("a", running=5), EngineState("b")]
     assert [rr.choose(engines, [], 10, 32).engine for _ in range(4)] == ["a", "b", "a", "b"]  # type: ignore[union-attr]
-    ll = Router("least_loaded")
+    ll = PrefixRouter("least_loaded")
     assert {ll.choose(engines, [Match("a", 9, (0,) * 9)], 500, 32).engine for _ in range(3)} == {"b"}  # type: ignore[union-attr]
     with pytest.raises(ConfigError):
-        Router("random")
+        PrefixRouter("random")
     with pytest.raises(ConfigError):
         Costs(load_block_s=(0.0,))
     with pytest.raises(ConfigError):

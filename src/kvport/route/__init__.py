@@ -3,5 +3,5 @@
 Modules::
 
     index    PrefixIndex: per engine, the blocks it holds and where, from KV events (pure, bounded)
-    policy   Router: the engine with the lowest predicted TTFT (held prefix vs load), its baselines (pure)
+    policy   PrefixRouter: the engine with the lowest predicted TTFT (held prefix vs load), its baselines (pure)
 """

@@ -63,7 +63,7 @@ class Route:
     scores: dict[str, float] = field(default_factory=dict)
 
 
-class Router:
+class PrefixRouter:
     """Chooses an engine per request; ``policy``: ``prefix``, ``least_loaded`` or ``round_robin``."""
 
     POLICIES = ("prefix", "least_loaded", "round_robin")
@@ -105,4 +105,4 @@ class Router:
         return (1 + e.running) * (c.compute(prompt_tokens - held * block_size) + load)
 
 
-__all__ = ["Costs", "EngineState", "Route", "Router"]
+__all__ = ["Costs", "EngineState", "Route", "PrefixRouter"]

@@ -105,4 +105,4 @@ class PrefixRouter:
         return (1 + e.running) * (c.compute(prompt_tokens - held * block_size) + load)
 
 
-__all__ = ["Costs", "EngineState", "Route", "PrefixRouter"]
+__all__ = ["Costs", "EngineState", "PrefixRouter", "Route"]

@@ -13,6 +13,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -112,3 +113,13 @@ def conditions(**extra: Any) -> dict[str, Any]:
 def finish(report: Report) -> Report:
     report.conditions["loadavg_end"] = list(os.getloadavg())
     return report
+
+
+def crossing(xs: Sequence[float], a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Where two measured curves ``a(x)`` and ``b(x)`` first swap places, linearly interpolated
+    between the two points around it (rounded to 0.1); None when they never do."""
+    d = [p - q for p, q in zip(a, b, strict=True)]
+    for i in range(len(d) - 1):
+        if (d[i] < 0) != (d[i + 1] < 0):
+            return round(xs[i] + (xs[i + 1] - xs[i]) * d[i] / (d[i] - d[i + 1]), 1)
+    return None

@@ -36,13 +36,18 @@ when every hand-off was loaded, none recomputed).
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import shutil
 import statistics
 import tempfile
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvport.bench.harness import crossing
 from kvport.bench.pd import Answer, completion_body, prompt_tokens, request
 from kvport.config import Settings
 from kvport.deploy.vllm_serve import EngineServer, ProxyServer, free_port, listen_port, stop_on_sigterm
@@ -62,8 +67,6 @@ POLICIES = ("stream", "recompute", "plan")
 
 def default_cores() -> tuple[str, str]:
     """(prefill, decode) cores: every core for the prefill host, the last one for the decode host."""
-    import os
-
     n = os.cpu_count() or 1
     return (f"0-{n - 1}" if n > 1 else "0"), str(n - 1)
 
@@ -93,18 +96,7 @@ def _warmup(pre: EngineServer, dec: EngineServer, inbox: str, rng: random.Random
         request(dec.url + "/v1/completions", completion_body(_prompt(rng, WARMUP_TOKENS), 2, cache_salt=_salt(rng)))
 
 
-def _crossing(lengths: Sequence[int], a: Sequence[float], b: Sequence[float]) -> float | None:
-    d = [x - y for x, y in zip(a, b, strict=True)]
-    for i in range(len(d) - 1):
-        if (d[i] < 0) != (d[i + 1] < 0):
-            return round(lengths[i] + (lengths[i + 1] - lengths[i]) * d[i] / (d[i] - d[i + 1]), 1)
-    return None
-
-
 def _state(proxy: ProxyServer) -> dict[str, Any]:
-    import json
-    import urllib.request
-
     with urllib.request.urlopen(proxy.url + "/kvport/pd", timeout=10) as r:
         got: dict[str, Any] = json.loads(r.read())
     return got
@@ -157,8 +149,6 @@ def run_on_link(link: ShapedLink, *, quick: bool, trials: int | None = None, cor
             proxy.stop()
             for e in (pre, dec):
                 e.stop()
-            import shutil
-
             for s in stores:
                 shutil.rmtree(s, ignore_errors=True)
 
@@ -222,8 +212,8 @@ def _measure(link: ShapedLink, pre: EngineServer, dec: EngineServer, proxy: Prox
                                           and rows[-1]["planner_choice"] == "stream",
         "pd_crossover_tokens": {"predicted_after_calibration": learned.get("crossover_tokens"),
                                 "predicted_at_end": end.get("crossover_tokens"),
-                                "measured": _crossing(val, [mean[(n, "stream")] for n in val],
-                                                      [mean[(n, "recompute")] for n in val])},
+                                "measured": crossing(val, [mean[(n, "stream")] for n in val],
+                                                     [mean[(n, "recompute")] for n in val])},
         "pd_tokens_equal": equal == total, "pd_prompts_compared": total,
         "pd_streamed_tokens_loaded": round(external / streamed, 4) if streamed else None,
         "pd_lengths": rows,

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvport.bench.harness import Report, SuiteOptions, conditions, finish
+from kvport.bench.harness import Report, SuiteOptions, conditions, crossing, finish
 from kvport.config import Settings
 from kvport.evidence.limits import memcpy_gbps
 from kvport.evidence.netlink import ShapedLink
@@ -121,14 +121,6 @@ def prefill_bandwidth(pf: PrefillModel, spec: KVSpec, n: int) -> float:
     """KV bytes per second a full prefill of ``n`` tokens produces: the link speed where moving KV
     and recomputing it cost the same, before overheads (the centre of the bandwidth sweep)."""
     return spec.request_bytes(n) / pf.seconds(0, n)
-
-
-def _measured_crossover(lengths: list[int], load: list[float], rec: list[float]) -> float | None:
-    d = [a - b for a, b in zip(load, rec, strict=True)]
-    for i in range(len(d) - 1):
-        if (d[i] < 0) != (d[i + 1] < 0):
-            return round(lengths[i] + (lengths[i + 1] - lengths[i]) * d[i] / (d[i] - d[i + 1]), 1)
-    return None
 
 
 def _sweep(opts: SuiteOptions) -> Sweep:
@@ -274,7 +266,7 @@ def _results(cells: list[dict[str, Any]], lengths: list[int], bandwidths: list[f
                          fresh=Freshness(now=static.created))
         crossovers.append({
             "bandwidth_mbps": round(rate / 1e6, 2),
-            "measured_tokens": _measured_crossover(lengths, loads, recs),
+            "measured_tokens": crossing(lengths, loads, recs),
             "predicted_tokens": pred.lengths[0] if pred.lengths else None,
             "predicted": pred.describe(),
             "recompute_wins_at_shortest": {"measured": loads[0] > recs[0], "predicted": pred.recompute_wins_at_lo},

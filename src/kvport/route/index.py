@@ -21,6 +21,7 @@ A lookup (:meth:`match`) answers the longest leading run of a request's block ha
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -166,11 +167,13 @@ class PrefixIndex:
             del e.blocks[next(iter(e.blocks))]
             self.blocks -= 1
             self.trimmed += 1
-        while self.blocks > self.max_blocks:
+        while self.blocks > self.max_blocks:  # the largest engine gives up its oldest, all at once
             biggest = max(self._engines.values(), key=lambda x: len(x.blocks))
-            del biggest.blocks[next(iter(biggest.blocks))]
-            self.blocks -= 1
-            self.trimmed += 1
+            n = min(self.blocks - self.max_blocks, len(biggest.blocks))
+            for h in list(itertools.islice(biggest.blocks, n)):
+                del biggest.blocks[h]
+            self.blocks -= n
+            self.trimmed += n
 
     def expect(self, engine: str, next_seq: int) -> None:
         """After a replay that could not give everything: take ``next_seq`` as the next batch."""

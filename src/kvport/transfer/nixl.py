@@ -385,6 +385,7 @@ class NixlSender:
 _RING_HELLO = struct.Struct("<II")  # slot bytes, slots: the ring each side sends from
 _RING_AGENT = struct.Struct("<IIQ")  # agent name length, metadata length, address of the incoming ring
 MAX_RING_BYTES = 1 << 30
+WRITE_S = 10.0  # one ring write completes within this (or the link's timeout, when shorter)
 _POSTED = 10  # control kind: a WRITE into the receiver's ring is posted (the receiver progresses until it lands)
 
 
@@ -450,12 +451,19 @@ class NixlRingTransport(shm.ShmTransport):
         mv = self._mem.data.cast("B")
         return mv[:out_bytes], mv[out_bytes:], in_slot_bytes, in_slots
 
+    def _write_s(self) -> float:
+        """How long one write (at most a ring, 32 MiB by default) may take to complete: the link's
+        timeout, never more than :data:`WRITE_S` (a link's timeout is its idle timeout, an hour for
+        a pooled hand-off link; both sides poll while they wait, so a peer gone mid-write must end
+        the wait soon)."""
+        return min(self.timeout_s or WRITE_S, WRITE_S)
+
     def _on_ctrl(self, kind: int, ident: int, nbytes: int, pos: int) -> bool:
         if kind != _POSTED or not 0 < nbytes <= self.in_ring_bytes:
             return False
         self._posted += 1  # progress my agent until that write's notification came (it lands meanwhile)
         a = self._agent.agent
-        end_by = time.monotonic() + (self.timeout_s or 30.0)
+        end_by = time.monotonic() + self._write_s()
         try:
             while self._notified < self._posted:
                 got = a.get_new_notifs()
@@ -471,7 +479,7 @@ class NixlRingTransport(shm.ShmTransport):
     def _push(self, pos: int, n: int) -> None:
         a = self._agent.agent
         h = None
-        end_by = time.monotonic() + (self.timeout_s or 30.0)
+        end_by = time.monotonic() + self._write_s()
         self._ctrl_send(shm._CTRL.pack(_POSTED, 0, n, pos), "send")  # the peer progresses its agent
         try:
             local = a.get_xfer_descs([(self._agent.addr + pos, n, 0)], "DRAM")

@@ -185,6 +185,11 @@ def test_size_memory_of_one_token_fits_one(capsys: pytest.CaptureFixture[str]) -
     (["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--body-timeout", "inf"],
      "--body-timeout"),
     (["proxy", "--decode", "http://127.0.0.1:2"], "--prefill"),
+    (["proxy", "--prefill", "http://127.0.0.1:1"], "--decode"),
+    (["proxy", "--engine", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"], "--engine"),
+    (["proxy", "--engine", "http://127.0.0.1:1", "--route", "sticky"], "--route"),
+    (["proxy", "--engine", "http://127.0.0.1:1", "--kv-events", "http://127.0.0.1:9=tcp://x:1"], "KV event"),
+    (["proxy", "--engine", "http://127.0.0.1:1", "--kv-events", "http://127.0.0.1:1=udp://x"], "KV event"),
 ])
 def test_bad_values_one_line_naming_the_flag(args: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(args)

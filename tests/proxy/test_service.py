@@ -443,7 +443,7 @@ def test_the_planner_counts_a_text_prompt_with_the_decode_engine_s_tokenizer() -
                                              {"messages": msgs, "add_generation_prompt": True})
             assert status == 200 and dec.tokenized[1] == {"messages": msgs, "add_generation_prompt": True}
             # a batch of prompts: one decision cannot cover them, so the planner is not asked
-            assert await p._prompt_tokens("/v1/completions", {"prompt": [[1, 2], [3]]}, dec.url, count=True) is None
+            assert await p._prompt_ids("/v1/completions", {"prompt": [[1, 2], [3]]}, count=True) is None
         # an engine without /tokenize: the count is unknown, the planner's default, no error
         async with pd_deployment(pd_policy="plan") as (p, url, pre, dec):
             status, _, headers = await stream_post(url + "/v1/completions", {"prompt": "a b c"})

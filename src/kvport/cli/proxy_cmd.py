@@ -20,10 +20,25 @@ from kvport.protocol.net import is_loopback
 
 @click.command(name="proxy")
 @click.option("--listen", default="127.0.0.1:8000", show_default=True, help="HOST:PORT the OpenAI API is served on")
-@click.option("--prefill", "prefill", multiple=True, required=True, metavar="URL",
+@click.option("--prefill", "prefill", multiple=True, metavar="URL",
               help="a prefill engine (vllm serve with kv_role kv_producer), e.g. http://127.0.0.1:8100; repeatable")
-@click.option("--decode", "decode", multiple=True, required=True, metavar="URL",
+@click.option("--decode", "decode", multiple=True, metavar="URL",
               help="a decode engine (vllm serve with kv_role kv_consumer); repeatable")
+@click.option("--engine", "engines", multiple=True, metavar="URL",
+              help="an engine that computes whole requests (kv_role kv_both, or no connector), instead of "
+                   "--prefill/--decode: each request goes to one of them; repeatable")
+@click.option("--route", "route", type=click.Choice(["round_robin", "least_loaded", "prefix"]), default="round_robin",
+              show_default=True,
+              help="which engine of a role gets a request: in turn, the one with the fewest requests (its /metrics), "
+                   "or prefix: the lowest predicted time to first token from the prompt blocks it already holds "
+                   "(its KV events, --kv-events) and its load")
+@click.option("--kv-events", "kv_events", multiple=True, metavar="URL=ENDPOINT[,REPLAY]",
+              help="where an engine publishes its KV events (vllm serve --kv-events-config endpoint and "
+                   "replay_endpoint, e.g. ipc:///run/kv-8100,ipc:///run/kv-8100-replay); repeatable")
+@click.option("--route-block-size", "route_block_size", default=None, type=click.IntRange(min=1),
+              help="the engines' KV block size (default: learned from their KV events)")
+@click.option("--route-stale", "route_stale", default=30.0, show_default=True, type=float, callback=as_seconds,
+              help="seconds after which an engine not heard from (KV events or /metrics) gets no requests")
 @click.option("--decode-inbox", "decode_inbox", multiple=True, metavar="HOST:PORT[,HOST:PORT...]",
               help="a decode engine's kvport_pd_inbox, one per --decode in the same order (at tensor parallel "
                    "size N: its N rank inboxes, comma-separated): prefill engines stream the KV there layer by "
@@ -48,14 +63,24 @@ from kvport.protocol.net import is_loopback
               callback=as_seconds_or_zero, help="the stream's link latency in seconds, one way")
 @click.option("--kv-bytes-per-token", "kv_bytes_per_token", default=None, type=click.IntRange(min=1),
               help="the model's KV bytes per token (kvport size --json: bytes_per_token)")
-def proxy_cmd(listen: str, prefill: tuple[str, ...], decode: tuple[str, ...], decode_inbox: tuple[str, ...],
-              prefill_timeout: float, decode_timeout: float, header_timeout: float, body_timeout: float,
-              pd_policy: str, pd_link: float | None, pd_link_latency: float, kv_bytes_per_token: int | None) -> None:
-    """Serve /v1/completions and /v1/chat/completions: prefill on one engine, decode on another."""
-    for flag, urls in (("--prefill", prefill), ("--decode", decode)):
+def proxy_cmd(listen: str, prefill: tuple[str, ...], decode: tuple[str, ...], engines: tuple[str, ...], route: str,
+              kv_events: tuple[str, ...], route_block_size: int | None, route_stale: float,
+              decode_inbox: tuple[str, ...], prefill_timeout: float, decode_timeout: float, header_timeout: float,
+              body_timeout: float, pd_policy: str, pd_link: float | None, pd_link_latency: float,
+              kv_bytes_per_token: int | None) -> None:
+    """Serve /v1/completions and /v1/chat/completions: prefill on one engine, decode on another (or
+    each request on one of --engine), each engine chosen by --route."""
+    for flag, urls in (("--prefill", prefill), ("--decode", decode), ("--engine", engines)):
         for url in urls:
             if not url.startswith(("http://", "https://")):
                 raise click.BadParameter(f"an engine URL starts with http:// or https://, got {url!r}", param_hint=flag)
+    if engines and (prefill or decode):
+        raise click.BadParameter("give --engine (whole requests) or --prefill and --decode, not both",
+                                 param_hint="--engine")
+    if not engines and not prefill:
+        raise click.BadParameter("at least one --prefill engine (with --decode), or --engine", param_hint="--prefill")
+    if not engines and not decode:
+        raise click.BadParameter("at least one --decode engine (with --prefill), or --engine", param_hint="--decode")
     host, port = parse_listen(listen)
     token = Settings.from_env().auth_token
     if not is_loopback(host) and not token:
@@ -72,7 +97,9 @@ def proxy_cmd(listen: str, prefill: tuple[str, ...], decode: tuple[str, ...], de
                           prefill_timeout_s=prefill_timeout, decode_timeout_s=decode_timeout,
                           header_timeout_s=header_timeout, body_timeout_s=body_timeout, decode_inbox=decode_inbox,
                           pd_policy=pd_policy, pd_link_bps=pd_link, pd_link_latency_s=pd_link_latency,
-                          kv_bytes_per_token=kv_bytes_per_token)
+                          kv_bytes_per_token=kv_bytes_per_token, engines=engines, route=route, kv_events=kv_events,
+                          route_block_size=route_block_size, route_stale_s=route_stale,
+                          load_poll_s=min(1.0, route_stale / 2))
     except ConfigError as exc:
         raise UserInputError(str(exc)) from exc
     asyncio.run(serve_proxy(cfg))

@@ -173,15 +173,19 @@ def _bind(sock: Any, endpoint: str) -> str:
 class Delivery:
     seq: int
     batch: Batch
+    restart: bool = False  # the publisher started over (its sequence went back to 0): what it said before is void
 
 
 class Subscription:
     """One publisher, read by :meth:`poll`: batches in sequence order; a gap asks the replay socket
     for the missing batches first (what it no longer has is reported in ``lost``), a batch seen
-    twice is dropped (``duplicates``), a malformed one skipped (``malformed``)."""
+    twice is dropped (``duplicates``), a malformed one skipped (``malformed``). A publisher that
+    starts over (a restarted engine: its sequence numbers go back) is delivered with ``restart`` set.
+    ``from_start``: the first batch seen, when it is not batch 0, is preceded by everything the
+    replay socket still has before it (a subscriber that joins late learns the current state)."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, *, topic: str = "",
-                 caps: Caps = DEFAULT_CAPS, replay_timeout_s: float = 2.0) -> None:
+                 caps: Caps = DEFAULT_CAPS, replay_timeout_s: float = 2.0, from_start: bool = False) -> None:
         zmq = _zmq()
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self.caps = caps
@@ -190,13 +194,24 @@ class Subscription:
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        # connection events: a publisher that went away and came back (a restarted engine) starts over
+        self._monitor = self._sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._connected_before = False
+        self._restarted = False
         self._sub.connect(endpoint)
         self.next_seq: int | None = None  # the next batch expected (None: whatever comes first)
-        self.duplicates = self.malformed = self.lost = self.replays = 0
+        self.from_start = from_start
+        self.duplicates = self.malformed = self.lost = self.replays = self.restarts = 0
+
+    @property
+    def socket(self) -> Any:
+        """The SUB socket (to wait on several subscriptions with one ``zmq.Poller``)."""
+        return self._sub
 
     def poll(self, timeout_s: float) -> list[Delivery]:
         """The batches that arrived within ``timeout_s`` (waiting for the first only), in order."""
         zmq = _zmq()
+        self._connections()
         out: list[Delivery] = []
         wait_ms = int(max(0.0, timeout_s) * 1000)
         while self._sub.poll(wait_ms):
@@ -209,14 +224,46 @@ class Subscription:
             if got is None:
                 continue
             seq, batch = got
-            if self.next_seq is not None and seq < self.next_seq:
-                self.duplicates += 1
+            restart, self._restarted = self._restarted, False
+            if restart:
+                self.next_seq = None
+            if self.next_seq is not None and seq == self.next_seq - 1:
+                self.duplicates += 1  # the last batch again
                 continue
-            if self.next_seq is not None and seq > self.next_seq:
-                out.extend(self.replay(self.next_seq, seq))
-            out.append(Delivery(seq, batch))
+            if self.next_seq is not None and seq < self.next_seq:
+                # further back than a repeat: a new publisher process (one SUB connection never sees
+                # a batch twice otherwise), whose first batches may have gone before it was joined
+                if not restart:
+                    self.restarts += 1
+                restart = True
+            got_now: list[Delivery] = []
+            if self.next_seq is not None and not restart and seq > self.next_seq:
+                got_now = self.replay(self.next_seq, seq)
+            elif (self.next_seq is None or restart) and self.from_start and seq > 0:
+                got_now = self.replay(0, seq, count_lost=False)
+            got_now.append(Delivery(seq, batch))
+            if restart:  # on the first delivery from the new publisher
+                got_now[0] = Delivery(got_now[0].seq, got_now[0].batch, True)
+            out.extend(got_now)
             self.next_seq = seq + 1
         return out
+
+    def _connections(self) -> None:
+        """Read the socket's connection events: connected again after a disconnection means the
+        publisher may be a new process (its sequence numbers start over, what it held is gone)."""
+        zmq = _zmq()
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor.poll(0):
+            try:
+                ev = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except (zmq.Again, ValueError):
+                break
+            if ev.get("event") == zmq.EVENT_CONNECTED:
+                if self._connected_before:
+                    self._restarted = True
+                    self.restarts += 1
+                self._connected_before = True
 
     def _frame(self, frames: list[bytes]) -> tuple[int, Batch] | None:
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -229,7 +276,7 @@ class Subscription:
             log.info("kvport events: a malformed batch from %s skipped: %s", self.endpoint, exc)
             return None
 
-    def replay(self, first: int, until: int) -> list[Delivery]:
+    def replay(self, first: int, until: int, *, count_lost: bool = True) -> list[Delivery]:
         """Batches ``[first, until)`` from the replay socket (those it still has; the rest counted
         ``lost``). Without a replay endpoint they are all lost."""
         zmq = _zmq()
@@ -254,10 +301,14 @@ class Subscription:
                 log.info("kvport events: replay from %s failed: %s", self.replay_endpoint, exc)
             finally:
                 dealer.close(linger=0)
-        self.lost += (until - first) - len(got)
+        if count_lost:
+            self.lost += (until - first) - len(got)
         return [Delivery(s, got[s]) for s in sorted(got)]
 
     def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._sub.disable_monitor()
+        self._monitor.close(linger=0)
         self._sub.close(linger=0)
 
     def __enter__(self) -> Subscription:

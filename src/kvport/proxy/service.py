@@ -55,8 +55,8 @@ round-robin. Binds
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
-import itertools
 import json
 import logging
 import time
@@ -75,6 +75,8 @@ from kvport.planner.cost import Action
 from kvport.planner.pd import Curve, PDPlanner
 from kvport.planner.profile import Link, LinkKind
 from kvport.protocol.net import is_loopback
+from kvport.proxy.routing import Engines, EventSource
+from kvport.route.policy import PrefixRouter
 
 try:
     import aiohttp
@@ -90,6 +92,8 @@ MAX_BODY_BYTES = 16 << 20  # a request body from a client is capped
 MAX_JSON_DEPTH = 64  # nesting of a request body (a tool's JSON schema is a few levels; json.loads recurses)
 _PD_PATHS = ("/v1/completions", "/v1/chat/completions")
 PD_POLICIES = ("stream", "recompute", "plan")
+ROUTE_POLICIES = PrefixRouter.POLICIES
+ROUTE_HEADER = "X-KVport-Route"  # the engine chosen and why (prefix, least_loaded, round_robin)
 PD_HEADER = "X-KVport-PD"  # a request's own policy (PD_POLICIES)
 PATH_HEADER = "X-KVport-PD-Path"  # what the proxy did: stream, recompute, no_handoff, fallback
 PREDICTED_HEADER = "X-KVport-PD-Predicted"  # the planner's predictions, when it chose
@@ -127,11 +131,36 @@ class ProxyConfig:
     pd_link_latency_s: float = 0.0
     kv_bytes_per_token: int | None = None  # the model's KV bytes per token (the link term needs it)
     pd_explore_every: int = 8  # while the planner cannot predict, one request in this many takes the other path
+    # engines that compute whole requests (kv_both, or no connector): each request goes to one of them, no PD;
+    # given instead of prefill and decode
+    engines: Sequence[str] = ()
+    # which engine of a role gets a request (kvport.route.policy): round_robin, least_loaded or prefix
+    route: str = "round_robin"
+    # URL=ENDPOINT[,REPLAY_ENDPOINT]: where an engine publishes its KV events (vLLM's --kv-events-config)
+    kv_events: Sequence[str] = ()
+    route_block_size: int | None = None  # the engines' block size (else learned from their events)
+    route_stale_s: float = 30.0  # an engine not heard from (events or /metrics) for this long is not chosen
+    load_poll_s: float = 1.0  # every engine's /metrics is read this often
 
     def __post_init__(self) -> None:
-        if not self.prefill or not self.decode:
-            raise ConfigError("the proxy needs at least one prefill and one decode engine URL")
-        for url in [*self.prefill, *self.decode]:
+        if self.engines and (self.prefill or self.decode):
+            raise ConfigError("give either engines (each computes whole requests) or prefill and decode engines")
+        if not self.engines and (not self.prefill or not self.decode):
+            raise ConfigError("the proxy needs at least one prefill and one decode engine URL, or engines")
+        if self.route not in ROUTE_POLICIES:
+            raise ConfigError(f"route is one of {', '.join(ROUTE_POLICIES)}, got {self.route!r}")
+        if self.route_block_size is not None and self.route_block_size <= 0:
+            raise ConfigError(f"route_block_size must be positive, got {self.route_block_size!r}")
+        if not 0 < self.load_poll_s < self.route_stale_s:
+            raise ConfigError("load_poll_s must be positive and shorter than route_stale_s")
+        known = {u.rstrip("/") for u in [*self.prefill, *self.decode, *self.engines]}
+        for spec in self.kv_events:
+            url, sep, src = spec.partition("=")
+            if not sep or url.rstrip("/") not in known:
+                raise ConfigError(f"a KV event source is ENGINE_URL=ENDPOINT[,REPLAY] naming one of the engines, "
+                                  f"got {spec!r}")
+            EventSource.parse(src)
+        for url in [*self.prefill, *self.decode, *self.engines]:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"engine URL must start with http:// or https://, got {url!r}")
         if self.decode_inbox and len(self.decode_inbox) != len(self.decode):
@@ -199,16 +228,23 @@ class PDProxy:
         self.cfg = cfg
         self.prefill_urls = [u.rstrip("/") for u in cfg.prefill]
         self.decode_urls = [u.rstrip("/") for u in cfg.decode]
-        self._prefill = itertools.cycle(self.prefill_urls)
+        self.engine_urls = [u.rstrip("/") for u in cfg.engines]  # colocated: whole requests, no PD
         inboxes: list[str | None] = [*cfg.decode_inbox] or [None] * len(cfg.decode)
-        self._decode = itertools.cycle(list(zip(self.decode_urls, inboxes, strict=True)))
+        self._inbox = dict(zip(self.decode_urls, inboxes, strict=True))
+        events = {}
+        for spec in cfg.kv_events:
+            url, _, src = spec.partition("=")
+            events[url.rstrip("/")] = EventSource.parse(src)
+        self.engines = Engines([*self.prefill_urls, *self.decode_urls, *self.engine_urls], events, policy=cfg.route,
+                               block_size=cfg.route_block_size, stale_s=cfg.route_stale_s, poll_s=cfg.load_poll_s)
+        self._poller: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self.counts: dict[str, int] = {}
         link = None if cfg.pd_link_bps is None else Link("pd-stream", LinkKind.PEER, cfg.pd_link_bps,
                                                            cfg.pd_link_latency_s, time.time(), "configured")
         self.planner = PDPlanner(link=link, kv_bytes_per_token=cfg.kv_bytes_per_token,
                                  explore_every=cfg.pd_explore_every)
-        self._busy = {u: 0 for u in [*self.prefill_urls, *self.decode_urls]}  # requests running on each engine
+        self._busy = {u: 0 for u in self.engines.urls}  # requests running on each engine
 
     # ---------------------------------------------------------------- app
     def app(self) -> web.Application:
@@ -219,6 +255,7 @@ class PDProxy:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/kvport/pd", self._pd_state)
+        app.router.add_get("/kvport/route", self._route_state)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -238,8 +275,15 @@ class PDProxy:
 
     async def _start(self, app: web.Application) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        self.engines.start()
+        self._poller = asyncio.create_task(self.engines.poll_load(self._session))
 
     async def _stop(self, app: web.Application) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        self.engines.stop()
         if self._session is not None:
             await self._session.close()
 
@@ -262,9 +306,15 @@ class PDProxy:
             return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
     async def _health(self, request: web.Request) -> web.Response:
-        states = await asyncio.gather(*(self._probe(u) for u in [*self.prefill_urls, *self.decode_urls]))
-        prefill = dict(zip(self.prefill_urls, states[:len(self.prefill_urls)], strict=True))
-        decode = dict(zip(self.decode_urls, states[len(self.prefill_urls):], strict=True))
+        states = dict(zip(self.engines.urls, await asyncio.gather(*(self._probe(u) for u in self.engines.urls)),
+                          strict=True))
+        if self.engine_urls:  # colocated: ok when every engine answers, degraded when some do
+            engines = {u: states[u] for u in self.engine_urls}
+            ok = [v == "ok" for v in engines.values()]
+            status = "ok" if all(ok) else "degraded" if any(ok) else "down"
+            return web.json_response({"status": status, "engines": engines}, status=503 if status == "down" else 200)
+        prefill = {u: states[u] for u in self.prefill_urls}
+        decode = {u: states[u] for u in self.decode_urls}
         up = ["ok" in prefill.values(), "ok" in decode.values()]
         status = "ok" if all(up) else "degraded" if any(up) else "down"
         return web.json_response({"status": status, "prefill": prefill, "decode": decode},
@@ -277,9 +327,12 @@ class PDProxy:
         return web.json_response({"policy": self.cfg.pd_policy, "requests": dict(self.counts),
                                   "busy": dict(self._busy), **self.planner.snapshot()})
 
+    async def _route_state(self, request: web.Request) -> web.Response:
+        return web.json_response({"busy": dict(self._busy), **self.engines.state()})
+
     async def _models(self, request: web.Request) -> web.Response:
         why: list[str] = []
-        for url in [*self.decode_urls, *self.prefill_urls]:
+        for url in [*self.decode_urls, *self.prefill_urls, *self.engine_urls]:
             try:
                 async with self.session.get(url + "/v1/models",
                                             timeout=aiohttp.ClientTimeout(total=_MODELS_TIMEOUT_S)) as r:
@@ -345,9 +398,18 @@ class PDProxy:
         policy = request.headers.get(PD_HEADER, self.cfg.pd_policy).strip().lower()
         if policy not in PD_POLICIES:
             return _error(400, f"{PD_HEADER} is one of {', '.join(PD_POLICIES)}, got {policy[:40]!r}")
-        decode, inbox = next(self._decode)  # chosen first: the prefill streams the KV to its inbox
-        tokens = await self._prompt_tokens(path, body, decode, count=policy == "plan")
-        headers: dict[str, str] = {}
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        ids = await self._prompt_ids(path, body, count=policy == "plan" or self.cfg.route == "prefix")
+        tokens = len(ids) if ids is not None else None
+        if self.engine_urls:
+            return await self._colocated(request, path, body, ids, salt)
+        # the decode engine first: the prefill streams the KV to its inbox
+        picked = self._route("decode", self.decode_urls, ids, salt)
+        if picked is None:  # no decode engine is up: a prefill engine computes the request
+            return await self._fallback(request, path, body, ids, salt, {}, "no decode engine is up")
+        decode, route = picked
+        inbox = self._inbox[decode]
+        headers: dict[str, str] = {ROUTE_HEADER: f"{decode}; {route}"}
         action: Action
         if policy == "plan":
             action = self.planner.default
@@ -360,8 +422,11 @@ class PDProxy:
         else:
             action = Action.STREAM if policy == "stream" else Action.RECOMPUTE
         handed = None
+        url = None
         if action is Action.STREAM:
-            url = next(self._prefill)
+            pre = self._route("prefill", self.prefill_urls, ids, salt)
+            url = None if pre is None else pre[0]
+        if url is not None:
             idle = self._busy[url] == 0
             t0 = time.monotonic()
             handed = await self._prefill_step(url, path, body, inbox)
@@ -383,18 +448,57 @@ class PDProxy:
                 self._observe(Curve.HANDOFF if taken == "pd" else Curve.DECODE, tokens, first[0])
             return resp
         except _Failed as exc:
-            log.warning("kvport proxy: decode engine failed before answering (%s); a prefill engine computes "
-                        "the request", exc)
+            return await self._fallback(request, path, body, ids, salt, headers, f"decode engine failed: {exc}")
+
+    async def _fallback(self, request: web.Request, path: str, body: dict[str, Any], ids: list[int] | None,
+                        salt: str | None, headers: dict[str, str], why: str) -> web.StreamResponse:
+        """No decode engine answered: a prefill engine (a vLLM engine like any other) computes the request."""
+        log.warning("kvport proxy: %s before answering; a prefill engine computes the request", why)
         plain = dict(body)
         plain.pop("kv_transfer_params", None)
         headers[PATH_HEADER] = "fallback"
         try:
-            resp = await self._forward(request, next(self._prefill), path, plain, headers, [])
+            back = self._route("prefill", self.prefill_urls, ids, salt)
+            if back is None:
+                raise _Failed("no prefill engine is up either")
+            resp = await self._forward(request, back[0], path, plain, headers, [])
             self._count("fallback")
             return resp
         except _Failed as exc:
             self._count("failed")
             return _error(502, f"no engine could answer: {exc}")
+
+    def _route(self, role: str, urls: Sequence[str], ids: list[int] | None, salt: str | None) \
+            -> tuple[str, str] | None:
+        """The engine of ``role`` for this request, and why; None when none of them is up. One engine
+        of a role is always taken (there is nothing to choose, and nothing to wait for)."""
+        if len(urls) == 1:
+            return urls[0], "only"
+        got = self.engines.choose(role, urls, self._busy, ids, salt)
+        return None if got is None else (got.engine, got.why)
+
+    async def _colocated(self, request: web.Request, path: str, body: dict[str, Any], ids: list[int] | None,
+                         salt: str | None) -> web.StreamResponse:
+        """Whole requests, no PD: to the engine the route policy picks; another one when it fails
+        before answering."""
+        tried: list[str] = []
+        for _ in range(min(2, len(self.engine_urls))):
+            left = [u for u in self.engine_urls if u not in tried]
+            picked = self._route("engine", left, ids, salt)
+            if picked is None:
+                break
+            url, why = picked
+            tried.append(url)
+            headers = {ROUTE_HEADER: f"{url}; {why}"}
+            try:
+                resp = await self._forward(request, url, path, body, headers, [])
+                self._count("routed")
+                return resp
+            except _Failed as exc:
+                log.warning("kvport proxy: %s failed before answering (%s); another engine takes the request", url, exc)
+        self._count("failed")
+        return _error(503 if not tried else 502, "no engine could answer" if tried else
+                      f"no engine is up (none has answered its /metrics within {self.cfg.route_stale_s:g} s)")
 
     def _observe(self, curve: Curve, tokens: int, seconds: float) -> None:
         try:
@@ -402,14 +506,15 @@ class PDProxy:
         except KVPortError as exc:  # an impossible time: not learned from
             log.debug("kvport proxy: observation not used: %s", exc)
 
-    async def _prompt_tokens(self, path: str, body: dict[str, Any], decode: str, *, count: bool) -> int | None:
-        """The prompt's length in tokens: a completion prompt of token ids is counted here; otherwise,
-        when ``count``, the decode engine's ``/tokenize`` counts it (with its own tokenizer and chat
-        template). None when it cannot be known (the planner then takes its default)."""
+    async def _prompt_ids(self, path: str, body: dict[str, Any], *, count: bool) -> list[int] | None:
+        """The prompt's token ids: a completion prompt of token ids as it is; otherwise, when ``count``,
+        from an engine's ``/tokenize`` (its own tokenizer and chat template: the ids it will hash its
+        blocks from). None when they cannot be known (the planner then takes its default, the router
+        matches nothing)."""
         prompt = body.get("prompt")
         if path == "/v1/completions" and isinstance(prompt, list) and 0 < len(prompt) <= MAX_PROMPT_IDS \
-                and isinstance(prompt[0], int):
-            return len(prompt)
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return prompt
         if not count:
             return None
         if path == "/v1/completions":
@@ -423,15 +528,20 @@ class PDProxy:
                 return None
         if isinstance(body.get("model"), str):
             ask["model"] = body["model"]
+        up = [u for u in (self.decode_urls or self.engine_urls) if self.engines.up.get(u, True)]
+        url = up[0] if up else (self.decode_urls or self.engine_urls)[0]
         try:
-            async with self.session.post(decode + "/tokenize", json=ask,
+            async with self.session.post(url + "/tokenize", json=ask,
                                          timeout=aiohttp.ClientTimeout(total=_TOKENIZE_TIMEOUT_S)) as r:
                 got = await r.json() if r.status == 200 else None
         except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, ValueError) as exc:
-            log.warning("kvport proxy: %s/tokenize failed (%s); the planner takes its default", decode, exc)
+            log.warning("kvport proxy: %s/tokenize failed (%s); the planner takes its default", url, exc)
             return None
-        n = got.get("count") if isinstance(got, dict) else None
-        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+        ids = got.get("tokens") if isinstance(got, dict) else None
+        if not isinstance(ids, list) or not 0 < len(ids) <= MAX_PROMPT_IDS \
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            return None
+        return ids
 
     async def _prefill_step(self, engine: str, path: str, body: dict[str, Any], inbox: str | None) \
             -> dict[str, Any] | None:

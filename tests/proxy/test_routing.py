@@ -175,7 +175,7 @@ def test_an_engine_that_stops_answering_gets_nothing_and_comes_back(tmp_path: Pa
 
 def test_a_restarted_publisher_is_forgotten_and_relearned(tmp_path: Path) -> None:
     async def go() -> None:
-        async with routed(tmp_path, route="prefix") as (p, url, (_, e1), pubs):
+        async with routed(tmp_path, route="prefix") as (p, _url, (_, e1), pubs):
             for _ in range(3):
                 await publish_until_heard(p, pubs[1], e1.url, holds(PROMPT, 4), 4)
             pubs[1].publish([holds(PROMPT, 5)])

@@ -95,3 +95,27 @@ def test_the_batcher_cuts_full_batches_and_flushes_the_rest() -> None:
     ev = [AllBlocksCleared()] * 5
     assert [len(x) for x in b.add(ev)] == [2, 2]
     assert b.flush() == [AllBlocksCleared()] and b.flush() == []
+
+
+AGREE = [encode(BATCH), msgpack.packb([1, []]), msgpack.packb([1.0, [], None]),
+         msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1, b"k"], "extra": 5}]]),
+         msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [True]}]]),
+         msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [b""]}]]),
+         msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1], "block_size": -1}]]),
+         msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": [True]}]]),
+         msgpack.packb([1.0, [], 0, 1]), msgpack.packb([float("inf"), []]), msgpack.packb([1.0, [{"t": 1}]])]
+
+
+@pytest.mark.parametrize("payload", AGREE)
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_fast_decoder_and_the_checked_one_agree(payload: bytes, keep: bool) -> None:
+    """msgspec's decoder (kvport[events]) takes what the checked one takes and refuses what it refuses."""
+    pytest.importorskip("msgspec")
+    from kvport.events.wire import _checked, _fast
+
+    caps = Caps(keep_token_ids=keep)
+    try:
+        want = _checked(payload, caps)
+    except ProtocolError:
+        want = None
+    assert _fast(caps)(payload) == want

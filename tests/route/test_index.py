@@ -32,11 +32,14 @@ def test_the_longest_held_prefix_and_the_best_place_of_each_block() -> None:
     ix = PrefixIndex()
     ix.apply("a", batch(stored(H[:4], "CPU", "LOCAL", "kvport:host"), stored(H[:2], "GPU")))
     ix.apply("b", batch(stored(H[:6], "STORAGE", "REMOTE", "kvport:redis")))
-    m = ix.match("a", H[:6])
-    assert m.blocks == 4 and m.places == (Place.DEVICE, Place.DEVICE, Place.HOST, Place.HOST)
+    m = ix.match("a", H[:6])  # a's own places first, then what every engine reads from Redis
+    assert m.blocks == 6 and m.places == (Place.DEVICE, Place.DEVICE, Place.HOST, Place.HOST,
+                                          Place.REMOTE_STORAGE, Place.REMOTE_STORAGE)
     assert ix.match("b", H[:6]).places == (Place.REMOTE_STORAGE,) * 6
     assert ix.match("a", [H[0], H[7], H[1]]).blocks == 1  # a block counts only with its whole prefix before it
-    assert ix.match("nobody", H).blocks == 0 and ix.blocks == 10
+    ix.apply("c", batch(stored(H[:1], "GPU")))
+    assert ix.match("c", H[:6]).places == (Place.DEVICE,) + (Place.REMOTE_STORAGE,) * 5
+    assert ix.blocks == 11
 
 
 def test_a_block_removed_from_one_place_stays_held_in_another() -> None:
@@ -90,3 +93,17 @@ def test_engines_and_places_are_capped() -> None:
     for i in range(40):  # a publisher inventing places: they share the last bit, the index does not grow
         ix.apply("a", batch(stored(H[:1], "STORAGE", "LOCAL", f"kvport:t{i}")))
     assert ix.match("a", H[:1]).blocks == 1
+
+
+def test_a_shared_tier_counts_for_every_engine_and_outlives_them() -> None:
+    clock = Clock()
+    ix = PrefixIndex(stale_s=5.0, clock=clock)
+    ix.apply("a", batch(stored(H[:3], "GPU"), stored(H[:3], "STORAGE", "REMOTE", "kvport:disk")))
+    assert ix.match("b", H[:4]).places == (Place.REMOTE_STORAGE,) * 3  # b never published: it reads the tier
+    ix.apply("a", batch(AllBlocksCleared()))  # a's cache, not the shared tier
+    assert ix.match("a", H[:3]).places == (Place.REMOTE_STORAGE,) * 3
+    clock.t = 10.0
+    assert ix.expire() == ["a"]  # a went quiet; the tier it wrote to did not
+    assert ix.match("b", H[:3]).blocks == 3
+    ix.apply("b", batch(BlockRemoved((H[1],), "STORAGE", "REMOTE", "kvport:disk")))  # evicted there
+    assert ix.match("b", H[:3]).blocks == 1

@@ -21,6 +21,7 @@ The physical limits and timing are :mod:`kvport.evidence`, below this package. M
     scaleout       the shared tier on a real Redis Cluster against raw RedisCluster; failover and slot moves
     pd_link        scaleout's vLLM PD across an emulated link: the proxy's planner against fixed stream/recompute
     pd             prefill/decode disaggregation in vLLM through kvport, against colocated and NIXL
+    route          KV-aware routing over 2 vLLM engines (round-robin, least-loaded, prefix); KV events per second
     soak           ownership under faults for N minutes (nothing leaks or is lost), then memory phases
     soak_client    one client process of the soak
     soak_server    the soak's ``kvport serve`` child and its sampled resident memory
@@ -51,6 +52,8 @@ SUITES: dict[str, Suite] = {
     "hash": _suite("hash"),
     "pd": _suite("pd", "answer_tokens", "chats", "keep", "overload_requests", "peer", "prompt_tokens", "prompts",
                  "shm", "stream", "turns"),
+    "route": _suite("route", "answer_tokens", "chats", "system_prompts", "system_tokens", "think_s", "tier", "turns",
+                    "users", "vllm"),
     "reshard": _suite("reshard", "cases", "drop", "max_new_tokens", "take_s", "tokens"),
     "scaleout": _suite("scaleout", "links", "pd", "pd_cores", "pd_stream", "pd_trials", "size", "slots", "trials",
                        "values"),

@@ -87,6 +87,13 @@ def connector_config(role: str, extra: Mapping[str, Any]) -> dict[str, Any]:
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
+def kv_events_config(endpoint: str, replay: str) -> dict[str, Any]:
+    """vLLM's ``--kv-events-config`` publishing an engine's KV events on ``endpoint`` with a replay
+    socket on ``replay``. vLLM binds ipc:// endpoints and wildcard tcp ones (tcp://*:PORT: every
+    interface) and connects to any other: ipc:// keeps them on this host."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay}
+
+
 def nixl_config() -> dict[str, Any]:
     """vLLM's own NixlConnector (the peer a PD benchmark compares with; needs the ``nixl`` wheels)."""
     return {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
@@ -96,12 +103,14 @@ class EngineServer:
     def __init__(self, model_dir: Path, port: int, *, role: str | None, extra: Mapping[str, Any] | None = None,
                  log: Path, max_model_len: int = 4096, block_size: int = 32,
                  env: Mapping[str, str] | None = None, kv_config: Mapping[str, Any] | None = None,
-                 tensor_parallel_size: int = 1, host: str = "127.0.0.1", netns: str | None = None) -> None:
+                 tensor_parallel_size: int = 1, host: str = "127.0.0.1", netns: str | None = None,
+                 kv_events: Mapping[str, Any] | None = None) -> None:
         """``role`` None: a plain engine without a connector (the colocated reference), or the connector
         ``kv_config`` names (another one: the peer). ``tensor_parallel_size`` > 1: one worker process
         per rank, their threads unbound (vLLM's CPU auto-binding wants a NUMA node per rank).
         ``netns``: the engine runs in that network namespace (a host of an emulated link,
-        :mod:`kvport.evidence.netlink`), serving on ``host`` there; its health is asked from inside it."""
+        :mod:`kvport.evidence.netlink`), serving on ``host`` there; its health is asked from inside it.
+        ``kv_events``: vLLM's ``--kv-events-config`` (:func:`kv_events_config`)."""
         self.model_dir, self.port, self.role, self.log = model_dir, port, role, log
         self.host, self.netns = host, netns
         self.url = f"http://{host}:{port}"
@@ -113,6 +122,8 @@ class EngineServer:
         if tensor_parallel_size > 1:
             self.argv += ["--tensor-parallel-size", str(tensor_parallel_size), "--distributed-executor-backend", "mp"]
             env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", **(env or {})}
+        if kv_events is not None:
+            self.argv += ["--kv-events-config", json.dumps(dict(kv_events))]
         config = connector_config(role, extra or {}) if role is not None else kv_config
         if config is not None:
             self.argv += ["--kv-transfer-config", json.dumps(config)]

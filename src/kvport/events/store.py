@@ -43,6 +43,16 @@ def place_of(tier: Tier) -> tuple[str, str]:
     return MEDIUM_CPU, LOCAL
 
 
+def store_place(tiers: Sequence[Tier]) -> tuple[str, str, str]:
+    """(medium, locality, ownership) to report a store's saved blocks under, when one event per save
+    is all there is (an engine's connector): its widest tier, the lowest one other engines read if
+    any (what matters to a router choosing among them), else its top tier."""
+    shared = [t for t in tiers if t.caps.shared]
+    tier = shared[-1] if shared else tiers[0]
+    medium, locality = place_of(tier)
+    return medium, locality, f"kvport:{tier.name}"
+
+
 class StoreEvents:
     """The store's ``changes`` listener: batches its tier changes into events for ``publish``."""
 
@@ -114,4 +124,4 @@ class StoreEvents:
         self.flush()
 
 
-__all__ = ["StoreEvents", "place_of"]
+__all__ = ["StoreEvents", "place_of", "store_place"]

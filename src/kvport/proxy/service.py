@@ -94,6 +94,7 @@ _PD_PATHS = ("/v1/completions", "/v1/chat/completions")
 PD_POLICIES = ("stream", "recompute", "plan")
 ROUTE_POLICIES = PrefixRouter.POLICIES
 ROUTE_HEADER = "X-KVport-Route"  # the engine chosen and why (prefix, least_loaded, round_robin)
+ROUTE_MS_HEADER = "X-KVport-Route-Ms"  # milliseconds from the request's body to its engine chosen (tokenizing too)
 PD_HEADER = "X-KVport-PD"  # a request's own policy (PD_POLICIES)
 PATH_HEADER = "X-KVport-PD-Path"  # what the proxy did: stream, recompute, no_handoff, fallback
 PREDICTED_HEADER = "X-KVport-PD-Predicted"  # the planner's predictions, when it chose
@@ -398,18 +399,20 @@ class PDProxy:
         policy = request.headers.get(PD_HEADER, self.cfg.pd_policy).strip().lower()
         if policy not in PD_POLICIES:
             return _error(400, f"{PD_HEADER} is one of {', '.join(PD_POLICIES)}, got {policy[:40]!r}")
+        t0 = time.monotonic()
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         ids = await self._prompt_ids(path, body, count=policy == "plan" or self.cfg.route == "prefix")
         tokens = len(ids) if ids is not None else None
         if self.engine_urls:
-            return await self._colocated(request, path, body, ids, salt)
+            return await self._colocated(request, path, body, ids, salt, t0)
         # the decode engine first: the prefill streams the KV to its inbox
         picked = self._route("decode", self.decode_urls, ids, salt)
         if picked is None:  # no decode engine is up: a prefill engine computes the request
             return await self._fallback(request, path, body, ids, salt, {}, "no decode engine is up")
         decode, route = picked
         inbox = self._inbox[decode]
-        headers: dict[str, str] = {ROUTE_HEADER: f"{decode}; {route}"}
+        headers: dict[str, str] = {ROUTE_HEADER: f"{decode}; {route}",
+                                   ROUTE_MS_HEADER: f"{(time.monotonic() - t0) * 1e3:.2f}"}
         action: Action
         if policy == "plan":
             action = self.planner.default
@@ -478,7 +481,7 @@ class PDProxy:
         return None if got is None else (got.engine, got.why)
 
     async def _colocated(self, request: web.Request, path: str, body: dict[str, Any], ids: list[int] | None,
-                         salt: str | None) -> web.StreamResponse:
+                         salt: str | None, t0: float) -> web.StreamResponse:
         """Whole requests, no PD: to the engine the route policy picks; another one when it fails
         before answering."""
         tried: list[str] = []
@@ -489,7 +492,7 @@ class PDProxy:
                 break
             url, why = picked
             tried.append(url)
-            headers = {ROUTE_HEADER: f"{url}; {why}"}
+            headers = {ROUTE_HEADER: f"{url}; {why}", ROUTE_MS_HEADER: f"{(time.monotonic() - t0) * 1e3:.2f}"}
             try:
                 resp = await self._forward(request, url, path, body, headers, [])
                 self._count("routed")

@@ -6,8 +6,10 @@
     places    one bit per (medium, tier) an engine has reported: GPU, CPU, STORAGE LOCAL, STORAGE
               REMOTE, each kvport tier by its ownership name ("kvport:host"); a block is held while
               any bit is set (stored in two tiers, removed from one: still held in the other)
-    shared    a pseudo-engine for tiers every engine reads (kvport serve, Redis): its blocks count
-              for every engine at their own medium
+    shared    a pseudo-engine for tiers every engine reads (a disk folder the engines share, kvport
+              serve, Redis): whatever engine reports a block with locality REMOTE, it goes here, and
+              it counts for every engine at its own place; it never goes stale (the tier outlives
+              any one engine), only its own removals and the caps take its blocks out
 
 Memory is bounded: at most ``max_blocks_per_engine`` per engine and ``max_blocks`` in all; past
 either, the engine's oldest entries (insertion order, the order its blocks were first reported)
@@ -119,7 +121,14 @@ class PrefixIndex:
                 gap = seq - e.next_seq
             e.next_seq = seq + 1
         n = 0
+        own = e
+        shared: _Engine | None = None
         for ev in batch.events:
+            e = own
+            if not isinstance(ev, AllBlocksCleared) and ev.locality == REMOTE and engine != SHARED:
+                if shared is None:
+                    shared = self._shared()
+                e = shared
             if isinstance(ev, BlockStored):
                 bit = self._bit(e, ev.medium, ev.locality, ev.ownership)
                 blocks = e.blocks
@@ -144,13 +153,22 @@ class PrefixIndex:
                         del blocks[h]
                         self.blocks -= 1
                 n += len(ev.block_hashes)
-            elif isinstance(ev, AllBlocksCleared):
+            elif isinstance(ev, AllBlocksCleared):  # the engine's own: a shared tier outlives its cache
                 self.blocks -= len(e.blocks)
                 e.blocks.clear()
                 n += 1
-        e.events += n
-        self._trim(e)
+        own.events += n
+        self._trim(own)
+        if shared is not None:
+            shared.last_seen = own.last_seen
+            self._trim(shared)
         return Applied(n, gap)
+
+    def _shared(self) -> _Engine:
+        e = self._engines.get(SHARED)
+        if e is None:
+            e = self._engines[SHARED] = _Engine()
+        return e
 
     def _bit(self, e: _Engine, medium: str | None, locality: str | None, ownership: str | None) -> int:
         key = (medium, locality, ownership)
@@ -188,9 +206,9 @@ class PrefixIndex:
             self.blocks -= len(e.blocks)
 
     def expire(self) -> list[str]:
-        """Engines not heard from for ``stale_s`` (the shared tier's pseudo-engine included) leave."""
+        """Engines not heard from for ``stale_s`` leave (the shared tier's pseudo-engine stays)."""
         now = self.clock()
-        gone = [n for n, e in self._engines.items() if now - e.last_seen > self.stale_s]
+        gone = [n for n, e in self._engines.items() if now - e.last_seen > self.stale_s and n != SHARED]
         for n in gone:
             self.forget(n)
         return gone
@@ -208,24 +226,21 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ lookups
     def match(self, engine: str, hashes: Sequence[BlockHash]) -> Match:
-        """The leading blocks of ``hashes`` that ``engine`` holds, with their best places."""
+        """The leading blocks of ``hashes`` that ``engine`` holds, or can read from a shared tier,
+        with the best place of each."""
         e = self._engines.get(engine)
-        if e is None:
+        s = self._engines.get(SHARED) if engine != SHARED else None
+        if e is None and s is None:
             return Match(engine, 0, ())
-        blocks, kinds = e.blocks, e.kinds
+        empty: dict[BlockHash, int] = {}
+        blocks, kinds = (e.blocks, e.kinds) if e is not None else (empty, [])
+        sblocks, skinds = (s.blocks, s.kinds) if s is not None else (empty, [])
         places: list[int] = []
         for h in hashes:
-            mask = blocks.get(h)
-            if not mask:
+            mine, theirs = blocks.get(h, 0), sblocks.get(h, 0)
+            if not mine and not theirs:
                 break
-            best = Place.UNKNOWN
-            bit = 0
-            while mask:
-                if mask & 1 and kinds[bit] < best:
-                    best = kinds[bit]
-                mask >>= 1
-                bit += 1
-            places.append(best)
+            places.append(min(_best(mine, kinds), _best(theirs, skinds)))
         return Match(engine, len(places), tuple(places))
 
     def match_all(self, hashes: Sequence[BlockHash], engines: Iterable[str] | None = None) -> list[Match]:
@@ -236,6 +251,18 @@ class PrefixIndex:
                             for n, e in self._engines.items()},
                 "blocks": self.blocks, "trimmed": self.trimmed, "removed_unknown": self.removed_unknown,
                 "unknown_engines": self.unknown_engines}
+
+
+def _best(mask: int, kinds: list[int]) -> int:
+    """The best Place among the bits of ``mask``."""
+    best = Place.UNKNOWN
+    bit = 0
+    while mask:
+        if mask & 1 and kinds[bit] < best:
+            best = kinds[bit]
+        mask >>= 1
+        bit += 1
+    return best
 
 
 __all__ = ["MAX_PLACES", "SHARED", "Applied", "Match", "Place", "PrefixIndex"]

@@ -88,11 +88,13 @@ from kvport.extras import require
 
 try:
     import torch
+    from vllm.distributed.kv_events import BlockStored as _VBlockStored
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
     )
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as _external_hash
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:
     require("vllm", __name__)  # no vLLM, or another release (its modules move): one line saying so
@@ -105,6 +107,7 @@ from kvport.codec.envelope import stored_bytes
 from kvport.config import Settings
 from kvport.engines.vllm.gate import gate
 from kvport.errors import EngineError, HandoffNotSentError, HandoffParamsError, HandoffVersionError, KVPortError
+from kvport.events.store import store_place
 from kvport.keys import KeyContext
 from kvport.ledger import Ledger
 from kvport.planner import Planner, Profile
@@ -132,6 +135,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+MAX_PENDING_EVENTS = 100_000  # KV events kept for vLLM to take (it takes them every step)
 
 
 class KVPortMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -303,11 +307,21 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                      str(self._kv_transfer_config.engine_id))
         self.kv_ledger = Ledger(owners=[self.kv_owner])
         self._warned_dests: set[str] = set()  # scheduler side: kvport_dest values refused, logged once each
+        # scheduler side, with vLLM's --kv-events-config on: the blocks this engine saves to kvport's tiers,
+        # as vLLM KV events named by vLLM's own block hashes (take_events: vLLM publishes them with its own)
+        events = getattr(vllm_config, "kv_events_config", None)
+        self._publish = self._role == KVConnectorRole.SCHEDULER and bool(getattr(events, "enable_kv_cache_events",
+                                                                                  False))
+        self._events: list[Any] = []
+        self._requests: dict[str, Request] = {}  # live vLLM requests (their block_hashes grow with them)
+        self._event_place = store_place(list(self.store.tiers.values()))
 
     # ================================================================ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         prompt = request.prompt_token_ids or []
         tokens = request.all_token_ids if self.cfg.save_generated else None
+        if self._publish:
+            self._requests[request.request_id] = request
         handed = _remote_params(request)
         answer = _answer_of(handed) if handed.get("do_remote_prefill") and self.consumes else None
         stream = self._stream_of(request, answer)
@@ -418,9 +432,40 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                               so.num_scheduled_tokens.get(req_id, 0),
                                               None if ids is None else ids[0], req_id in cached.resumed_req_ids))
         plan = self.planner.step(scheduled)
+        if self._publish:
+            self._saved_events(plan)
         for req_id in so.finished_req_ids:
             self.planner.finish(req_id)
+            self._requests.pop(req_id, None)
         return KVPortMetadata(plan)
+
+    def _saved_events(self, plan: StepPlan) -> None:
+        """The step's saves as vLLM ``BlockStored`` events: vLLM's hashes of those blocks (what its own
+        events and a router's lookups name them by), the tier kvport saves them to (medium, locality,
+        ``ownership`` "kvport:<tier>"). Planned saves: one that fails leaves a block a router thinks
+        is there, which costs that request a recompute, never a wrong answer. Evictions from kvport's
+        tiers are not reported (their blocks leave a router's index with its caps)."""
+        medium, locality, owner = self._event_place
+        bs = self.spec.block_size
+        for c in plan.saves:
+            req = self._requests.get(c.req_id)
+            if req is None or c.start < 0:
+                continue
+            hashes = req.block_hashes[c.start : c.start + len(c.keys)]
+            if not hashes:
+                continue
+            parent = _external_hash(req.block_hashes[c.start - 1]) if c.start else None
+            self._events.append(_VBlockStored(
+                block_hashes=[_external_hash(h) for h in hashes], parent_block_hash=parent,
+                token_ids=list(req.all_token_ids[c.start * bs : (c.start + len(hashes)) * bs]), block_size=bs,
+                lora_id=None, medium=medium, lora_name=None, locality=locality, ownership=owner))
+        if len(self._events) > MAX_PENDING_EVENTS:  # nobody takes them: the oldest go
+            del self._events[: len(self._events) - MAX_PENDING_EVENTS]
+
+    def take_events(self) -> list[Any]:
+        """vLLM's scheduler publishes these with its own KV events, every step."""
+        out, self._events = self._events, []
+        return out
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """A producer asked to hand off (``do_remote_decode``) answers where the KV is: the prompt's
@@ -432,6 +477,7 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         report the request as sent and vLLM frees its blocks (delay_free until the commit)."""
         rid = request.request_id
         self._stream_tried.discard(rid)
+        self._requests.pop(rid, None)
         try:
             if not self.produces or _ask_of(_remote_params(request)) is None:
                 return False, None

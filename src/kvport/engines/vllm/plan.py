@@ -43,6 +43,8 @@ class BlockCopy:
     block_ids: tuple[int, ...]
     parent: BlockKey | None = None  # the block before keys[0] in the chain (None at the root)
     stream: str | None = None  # a decode engine's load: the streamed hand-off holding the blocks
+    # a save: the request's block index of keys[0] (its KV events name the blocks by it); not compared
+    start: int = field(default=-1, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.block_ids):
@@ -305,7 +307,7 @@ class StepPlanner:
                 for run in _runs(idx):
                     saves.append(BlockCopy(s.req_id, tuple(st.keys[i] for i in run),
                                            tuple(st.block_ids[i] for i in run),
-                                           st.keys[run[0] - 1] if run[0] else None))
+                                           st.keys[run[0] - 1] if run[0] else None, start=run[0]))
                 st.saved_upto = done
         async_loads, self._async = tuple(self._async), []
         handoffs, self._handoffs = tuple(self._handoffs), []

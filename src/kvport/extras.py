@@ -1,7 +1,7 @@
 """kvport's optional parts: the extra that installs each, and the one error when it is missing.
 
 ``pip install kvport`` is the core: the CLI, the tiers (host, disk, Redis), the store, the ledger,
-transfer and ``kvport serve``, on numpy, xxhash, zstandard, msgpack, click, rich, prometheus-client,
+transfer and ``kvport serve``, on numpy, xxhash, zstandard, msgpack, msgspec, click, rich, prometheus-client,
 redis and psutil. Whatever brings a framework is an extra (``pip install 'kvport[NAME]'``)::
 
     extra   enables                                                  packages looked for
@@ -13,7 +13,7 @@ redis and psutil. Whatever brings a framework is an extra (``pip install 'kvport
     sglang  SGLang beside kvport (no adapter yet)                    sglang
     nixl    kvport.transfer.nixl (KV by NIXL WRITE, control on kvport) nixl, nixl-cu12 (--no-deps)
     hiredis faster Redis replies for the Redis tier                  hiredis
-    events  KV events over ZeroMQ (kvport.events.bus), the router's  zmq (pyzmq), msgspec
+    events  KV events over ZeroMQ (kvport.events.bus), the router's  zmq (pyzmq)
             subscriptions
     all     hf, codecs, eval, hiredis and events (not the engines, not nixl)
 
@@ -83,7 +83,7 @@ EXTRAS: dict[str, Extra] = {e.name: e for e in (
     Extra("sglang", ("sglang",), "SGLang beside kvport (no kvport adapter yet)"),
     Extra("nixl", ("nixl",), "NIXL transport (kvport.transfer.nixl; install nixl-cu12 --no-deps)"),
     Extra("hiredis", ("hiredis",), "redis-py parses Redis replies in C (the Redis tier's gets)"),
-    Extra("events", ("zmq", "msgspec"), "KV events over ZeroMQ (kvport.events.bus) and the router's subscriptions"),
+    Extra("events", ("zmq",), "KV events over ZeroMQ (kvport.events.bus) and the router's subscriptions"),
 )}
 
 # import name -> the extra that brings it (the first that lists it), for ImportErrors of foreign code

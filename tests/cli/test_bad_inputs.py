@@ -190,6 +190,7 @@ def test_size_memory_of_one_token_fits_one(capsys: pytest.CaptureFixture[str]) -
     (["proxy", "--engine", "http://127.0.0.1:1", "--route", "sticky"], "--route"),
     (["proxy", "--engine", "http://127.0.0.1:1", "--kv-events", "http://127.0.0.1:9=tcp://x:1"], "KV event"),
     (["proxy", "--engine", "http://127.0.0.1:1", "--kv-events", "http://127.0.0.1:1=udp://x"], "KV event"),
+    (["proxy", "--engine", "http://127.0.0.1:1", "--route-profile", "pyproject.toml"], "--route-profile"),
 ])
 def test_bad_values_one_line_naming_the_flag(args: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(args)

@@ -28,7 +28,7 @@ def extra_of(req: str) -> str | None:
 
 def test_the_core_is_small_ranged_and_framework_free() -> None:
     core = [r for r in REQUIRES if extra_of(r) is None]
-    assert {name_of(r) for r in core} == {"numpy", "xxhash", "zstandard", "msgpack", "click", "rich",
+    assert {name_of(r) for r in core} == {"numpy", "xxhash", "zstandard", "msgpack", "msgspec", "click", "rich",
                                           "prometheus-client", "redis", "psutil", "typing-extensions"}
     assert not {name_of(r) for r in core} & FRAMEWORKS
     assert all("==" not in r for r in core), core

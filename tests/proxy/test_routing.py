@@ -221,3 +221,20 @@ def test_a_bad_event_source_is_refused(spec: str) -> None:
 
     with pytest.raises(ConfigError, match="KV event source"):
         EventSource.parse(spec)
+
+
+def test_the_policy_s_costs_come_from_a_calibration_profile(tmp_path: Path) -> None:
+    from kvport.planner.profile import Link, LinkKind, PrefillModel, Profile
+
+    prof = Profile("here", 0.0, PrefillModel("m", 2, a=0.01, b=2e-4, c=0.0, d=0.0, measured_at=0.0),
+                   (Link("disk", LinkKind.TIER, 1e9, 0.0, 0.0),))
+
+    async def go() -> None:
+        async with routed(tmp_path, route="prefix", route_profile=prof, kv_bytes_per_token=1000) as (p, url, _, pubs):
+            assert p.engines.state()["costs"]["from"] == "defaults"  # no block size yet: nothing to size a load
+            await publish_until_heard(p, pubs[0], p.engines.urls[0], holds(PROMPT, 2), 2)
+            await ask(url, {"prompt": PROMPT})
+            costs = p.engines.state()["costs"]
+            assert costs["from"] == "profile" and costs["prefill_token_s"] == pytest.approx(2e-4)
+            assert costs["load_block_s"]["local storage"] == pytest.approx(BS * 1000 / 1e9)
+    run(go())

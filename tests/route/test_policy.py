@@ -59,3 +59,21 @@ def test_the_baselines_and_bad_settings() -> None:
         Costs(load_block_s=(0.0,))
     with pytest.raises(ConfigError):
         Costs(prefill_token_s=float("nan"))
+
+
+def test_costs_from_the_planner_s_calibration_profile() -> None:
+    from kvport.planner.profile import Link, LinkKind, PrefillModel, Profile
+
+    pf = PrefillModel("m", 2, a=0.02, b=5e-4, c=0.0, d=0.0, measured_at=0.0)
+    prof = Profile("here", 0.0, pf, (Link("host", LinkKind.TIER, 10e9, 0.0, 0.0),
+                                      Link("disk", LinkKind.TIER, 2e9, 1e-4, 0.0),
+                                      Link("peer", LinkKind.PEER, 1e9, 1e-3, 0.0)))
+    c = Costs.from_profile(prof, block_bytes=4 << 20)
+    assert c.prefill_fixed_s == pytest.approx(0.02 + 5e-4) and c.prefill_token_s == pytest.approx(5e-4)
+    assert c.load_block_s[Place.DEVICE] == 0.0
+    assert c.load_block_s[Place.HOST] == pytest.approx((4 << 20) / 10e9)
+    assert c.load_block_s[Place.LOCAL_STORAGE] == pytest.approx(1e-4 + (4 << 20) / 2e9)
+    assert c.load_block_s[Place.REMOTE_STORAGE] == pytest.approx(1e-3 + (4 << 20) / 1e9)
+    # without the block's size only the prefill comes from the profile; without links the defaults stay
+    assert Costs.from_profile(prof, None).load_block_s == Costs().load_block_s
+    assert Costs.from_profile(Profile("here", 0.0), 1 << 20) == Costs()

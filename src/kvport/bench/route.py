@@ -4,12 +4,15 @@
 read, each engine on its own core, each publishing its KV events over ZeroMQ), behind ``kvport proxy
 --engine A --engine B`` with each policy in turn: ``round_robin``, ``least_loaded``, ``prefix``. The
 same workload for each: multi-turn chats with long shared system prompts (``system_prompts`` of
-~``system_tokens`` tokens, ``chats`` chats, ``turns`` turns of ``answer_tokens``-token answers), run
+~``system_tokens`` tokens, ``chats`` chats each opening with a document of its own of ~``doc_tokens``,
+``turns`` turns of ``answer_tokens``-token answers), each engine's KV cache ``cache_blocks`` blocks
+(full run: 512, 16k tokens: less than what all chats hold, more than half of it, the pressure under
+which a router that spreads every chat over every engine makes the engines evict each other's), run
 by ``users`` clients that each go round their chats a turn at a time (so a chat's next turn comes
 after other chats' turns, as a user's would), pausing up to ``think_s`` (seeded: the same pauses for
 every policy) before each request, so that the users drift apart as real ones do (two users in
-lockstep over two engines would make round-robin sticky). Each policy's requests carry a cache salt of their own,
-so every policy starts cold on both engines and in the tier. Measured at the client: the time to the
+lockstep over two engines would make round-robin sticky). Each policy's requests carry a cache salt
+of their own, so every policy starts cold on both engines and in the tier. Measured at the client: the time to the
 first streamed token of every request; from the engines' ``/metrics``: where each policy's prompt
 tokens came from (the engine's own prefix cache, kvport's tier, computed). The answers of every
 policy are compared (greedy: the same conversation whatever engine served it).
@@ -58,8 +61,10 @@ TOPICS = ["a travel agent booking trains across Europe", "a support desk for a c
 class _Opts:
     system_prompts: int
     system_tokens: int
+    doc_tokens: int  # each chat opens with a document of its own (what only its engine holds)
     chats: int
     turns: int
+    cache_blocks: int  # each engine's KV cache in blocks (--num-gpu-blocks-override); 0: vLLM's own sizing
     answer_tokens: int
     users: int
     tiers: tuple[str, ...]  # each in turn: "disk": kv_both over one disk folder; "none": plain engines
@@ -75,9 +80,11 @@ def _options(opts: SuiteOptions) -> _Opts:
         raise ConfigError(f"--set tier={opts.extra.get('tier')!r}: disk (kvport's connector over one disk folder), "
                           "none (vLLM's own prefix cache only), or both: disk,none")
     return _Opts(system_prompts=opts.number("system_prompts", 2, lo=1, integer=True),
-                 system_tokens=opts.number("system_tokens", 384 if q else 1536, lo=64, integer=True),
-                 chats=opts.number("chats", 6 if q else 12, lo=1, integer=True),
+                 system_tokens=opts.number("system_tokens", 384 if q else 1024, lo=64, integer=True),
+                 doc_tokens=opts.number("doc_tokens", 128 if q else 768, lo=0, integer=True),
+                 chats=opts.number("chats", 6 if q else 16, lo=1, integer=True),
                  turns=opts.number("turns", 3 if q else 5, lo=1, integer=True),
+                 cache_blocks=opts.number("cache_blocks", 0 if q else 512, lo=0, integer=True),
                  answer_tokens=opts.number("answer_tokens", 16 if q else 32, lo=1, integer=True),
                  users=opts.number("users", 3, lo=1, integer=True), tiers=tiers,
                  think_s=opts.number("think_s", 0.2))
@@ -97,10 +104,23 @@ NEXT = ["And after that?", "Why is that?", "Can you give me one more detail?", "
         "Summarise what we said."]
 
 
+WORDS = ["river", "ledger", "invoice", "station", "garden", "engine", "harbor", "meeting", "ticket", "window",
+         "schedule", "payment", "village", "report", "bridge", "account", "orchard", "signal", "market", "letter"]
+
+
+def document(c: int, tokens: int) -> str:
+    """A chat's own document of ~``tokens`` tokens (seeded by the chat: the same in every run)."""
+    rng = random.Random(5000 + c)
+    sentences = [f"Item {j}: the {rng.choice(WORDS)} near the {rng.choice(WORDS)} needs a {rng.choice(WORDS)} "
+                 f"by day {rng.randrange(1, 365)}." for j in range(max(0, tokens // 18))]  # ~18 tokens each
+    return " ".join(sentences)
+
+
 def chats(o: _Opts) -> list[list[dict[str, str]]]:
     systems = [system_prompt(i, o.system_tokens) for i in range(o.system_prompts)]
     return [[{"role": "system", "content": systems[c % o.system_prompts]},
-             {"role": "user", "content": f"(chat {c}) {FIRST[c % len(FIRST)]}"}] for c in range(o.chats)]
+             {"role": "user", "content": f"(chat {c}) {document(c, o.doc_tokens)} {FIRST[c % len(FIRST)]}"}]
+            for c in range(o.chats)]
 
 
 def _run_policy(o: _Opts, url: str, openings: list[list[dict[str, str]]], salt: str) \
@@ -185,7 +205,8 @@ def _routing(o: _Opts, tier: str, root: Path, progress: Callable[[str], None]) -
         extra = {"kvport_disk_dir": str(disk)} if tier == "disk" else None
         e = EngineServer(model, free_port(), role="kv_both" if tier == "disk" else None, extra=extra,
                          log=root / f"engine-{tier}-{i}.log", max_model_len=8192, block_size=BLOCK,
-                         env={"VLLM_CPU_OMP_THREADS_BIND": str(i % n)}, kv_events=kv_events_config(ep, rp))
+                         env={"VLLM_CPU_OMP_THREADS_BIND": str(i % n)}, kv_events=kv_events_config(ep, rp),
+                         args=["--num-gpu-blocks-override", str(o.cache_blocks)] if o.cache_blocks else ())
         engines.append(e)
         events.append(f"{e.url}={ep},{rp}")
     openings = chats(o)
@@ -357,7 +378,8 @@ def run(opts: SuiteOptions, progress: Callable[[str], None] | None = None) -> Re
                 "folder both engines read (their KV events: vLLM's device blocks and kvport's saves)",
         "none": "vllm serve (vllm-cpu 0.32.0, --enforce-eager), no connector (vLLM's prefix cache only)"},
         cores="engine i on core i (VLLM_CPU_OMP_THREADS_BIND), proxy and clients unbound",
-        system_prompts=o.system_prompts, system_tokens=o.system_tokens, chats=o.chats, turns=o.turns,
+        system_prompts=o.system_prompts, system_tokens=o.system_tokens, doc_tokens=o.doc_tokens, chats=o.chats,
+        turns=o.turns, cache_blocks_per_engine=o.cache_blocks or "vLLM's own (1 GiB of KV)",
         answer_tokens=o.answer_tokens, users=o.users, think_s=o.think_s, tiers=list(o.tiers),
         events="kvport EventPublisher -> Subscription -> PrefixIndex in one process, ipc://")
     with stop_on_sigterm(), TemporaryDirectory(prefix="kvport-bench-route-") as tmp:

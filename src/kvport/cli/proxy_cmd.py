@@ -14,7 +14,7 @@ from kvport.cli._params import as_bandwidth, as_seconds, as_seconds_or_zero
 from kvport.cli._run import run_click, setup_logging
 from kvport.cli.serve_cmd import parse_listen
 from kvport.config import MIN_TOKEN_CHARS, Settings
-from kvport.errors import ConfigError, UserInputError
+from kvport.errors import ConfigError, KVPortError, UserInputError
 from kvport.protocol.net import is_loopback
 
 
@@ -37,6 +37,9 @@ from kvport.protocol.net import is_loopback
                    "replay_endpoint, e.g. ipc:///run/kv-8100,ipc:///run/kv-8100-replay); repeatable")
 @click.option("--route-block-size", "route_block_size", default=None, type=click.IntRange(min=1),
               help="the engines' KV block size (default: learned from their KV events)")
+@click.option("--route-profile", "route_profile", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="the planner's calibration profile (kvport calibrate): the prefix policy's prefill and load costs "
+                   "(with --kv-bytes-per-token for the loads); default: built-in costs")
 @click.option("--route-stale", "route_stale", default=30.0, show_default=True, type=float, callback=as_seconds,
               help="seconds after which an engine not heard from (KV events or /metrics) gets no requests")
 @click.option("--decode-inbox", "decode_inbox", multiple=True, metavar="HOST:PORT[,HOST:PORT...]",
@@ -64,7 +67,8 @@ from kvport.protocol.net import is_loopback
 @click.option("--kv-bytes-per-token", "kv_bytes_per_token", default=None, type=click.IntRange(min=1),
               help="the model's KV bytes per token (kvport size --json: bytes_per_token)")
 def proxy_cmd(listen: str, prefill: tuple[str, ...], decode: tuple[str, ...], engines: tuple[str, ...], route: str,
-              kv_events: tuple[str, ...], route_block_size: int | None, route_stale: float,
+              kv_events: tuple[str, ...], route_block_size: int | None, route_profile: str | None,
+              route_stale: float,
               decode_inbox: tuple[str, ...], prefill_timeout: float, decode_timeout: float, header_timeout: float,
               body_timeout: float, pd_policy: str, pd_link: float | None, pd_link_latency: float,
               kv_bytes_per_token: int | None) -> None:
@@ -92,13 +96,22 @@ def proxy_cmd(listen: str, prefill: tuple[str, ...], decode: tuple[str, ...], en
                              "as kvport serve does")
     from kvport.proxy.service import ProxyConfig, serve_proxy
 
+    profile = None
+    if route_profile is not None:
+        from kvport.planner import Profile
+
+        try:
+            profile = Profile.load(route_profile)
+        except (KVPortError, OSError, ValueError) as exc:
+            raise click.BadParameter(f"not a calibration profile: {exc}", param_hint="--route-profile") from exc
+
     try:
         cfg = ProxyConfig(prefill=prefill, decode=decode, host=host, port=port, auth_token=token,
                           prefill_timeout_s=prefill_timeout, decode_timeout_s=decode_timeout,
                           header_timeout_s=header_timeout, body_timeout_s=body_timeout, decode_inbox=decode_inbox,
                           pd_policy=pd_policy, pd_link_bps=pd_link, pd_link_latency_s=pd_link_latency,
                           kv_bytes_per_token=kv_bytes_per_token, engines=engines, route=route, kv_events=kv_events,
-                          route_block_size=route_block_size, route_stale_s=route_stale,
+                          route_block_size=route_block_size, route_stale_s=route_stale, route_profile=profile,
                           load_poll_s=min(1.0, route_stale / 2))
     except ConfigError as exc:
         raise UserInputError(str(exc)) from exc

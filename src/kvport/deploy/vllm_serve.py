@@ -104,13 +104,14 @@ class EngineServer:
                  log: Path, max_model_len: int = 4096, block_size: int = 32,
                  env: Mapping[str, str] | None = None, kv_config: Mapping[str, Any] | None = None,
                  tensor_parallel_size: int = 1, host: str = "127.0.0.1", netns: str | None = None,
-                 kv_events: Mapping[str, Any] | None = None) -> None:
+                 kv_events: Mapping[str, Any] | None = None, args: Sequence[str] = ()) -> None:
         """``role`` None: a plain engine without a connector (the colocated reference), or the connector
         ``kv_config`` names (another one: the peer). ``tensor_parallel_size`` > 1: one worker process
         per rank, their threads unbound (vLLM's CPU auto-binding wants a NUMA node per rank).
         ``netns``: the engine runs in that network namespace (a host of an emulated link,
         :mod:`kvport.evidence.netlink`), serving on ``host`` there; its health is asked from inside it.
-        ``kv_events``: vLLM's ``--kv-events-config`` (:func:`kv_events_config`)."""
+        ``kv_events``: vLLM's ``--kv-events-config`` (:func:`kv_events_config`); ``args``: more of
+        ``vllm serve``'s options."""
         self.model_dir, self.port, self.role, self.log = model_dir, port, role, log
         self.host, self.netns = host, netns
         self.url = f"http://{host}:{port}"
@@ -124,6 +125,7 @@ class EngineServer:
             env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", **(env or {})}
         if kv_events is not None:
             self.argv += ["--kv-events-config", json.dumps(dict(kv_events))]
+        self.argv += list(args)
         config = connector_config(role, extra or {}) if role is not None else kv_config
         if config is not None:
             self.argv += ["--kv-transfer-config", json.dumps(config)]

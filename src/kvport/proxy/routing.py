@@ -36,8 +36,9 @@ from typing import Any
 from kvport import metrics
 from kvport.errors import ConfigError
 from kvport.events.wire import BlockStored
-from kvport.route.index import PrefixIndex
-from kvport.route.policy import EngineState, PrefixRouter, Route
+from kvport.planner.profile import Profile
+from kvport.route.index import Place, PrefixIndex
+from kvport.route.policy import Costs, EngineState, PrefixRouter, Route
 from kvport.route.vllm_hash import block_hashes
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,11 @@ class Engines:
 
     def __init__(self, urls: Sequence[str], events: dict[str, EventSource], *, policy: str,
                  block_size: int | None = None, stale_s: float = 30.0,
-                 poll_s: float = 1.0, max_blocks_per_engine: int = 1_000_000) -> None:
+                 poll_s: float = 1.0, max_blocks_per_engine: int = 1_000_000, profile: Profile | None = None,
+                 kv_bytes_per_token: int | None = None) -> None:
+        """``profile``: the planner's calibration (``kvport calibrate``) the policy's costs come from
+        (:meth:`~kvport.route.policy.Costs.from_profile`, with ``kv_bytes_per_token`` for the loads),
+        else its defaults."""
         if block_size is not None and block_size <= 0:
             raise ConfigError(f"a block size is positive, got {block_size}")
         if not 0 < poll_s < stale_s:
@@ -100,6 +105,8 @@ class Engines:
         self._slow: dict[str, int] = {}  # url -> polls in a row that failed
         self.since = time.monotonic()  # an engine not heard from yet counts as heard at the start
         self._routers: dict[str, PrefixRouter] = {}
+        self.profile, self.kv_bytes_per_token = profile, kv_bytes_per_token
+        self._costs: tuple[int | None, Costs] | None = None  # (block size, costs)
         self.counts: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -108,6 +115,12 @@ class Engines:
         r = self._routers.get(role)
         if r is None:
             r = self._routers[role] = PrefixRouter(self.policy, stale_s=self.stale_s)
+        bs = self.block_size
+        if self.profile is not None and (self._costs is None or self._costs[0] != bs):
+            per_block = None if bs is None or self.kv_bytes_per_token is None else bs * self.kv_bytes_per_token
+            self._costs = (bs, Costs.from_profile(self.profile, per_block))
+        if self._costs is not None:
+            r.costs = self._costs[1]
         return r
 
     # ---------------------------------------------------------------- events
@@ -224,7 +237,11 @@ class Engines:
         now = time.monotonic()
         with self.lock:
             idx = self.index.stats()
+        costs = self._costs[1] if self._costs is not None else Costs()
         return {"policy": self.policy, "block_size": self.block_size, "decisions": dict(self.counts),
+                "costs": {"prefill_fixed_s": costs.prefill_fixed_s, "prefill_token_s": costs.prefill_token_s,
+                          "load_block_s": dict(zip(Place.NAMES, costs.load_block_s, strict=True)),
+                          "from": "profile" if self._costs is not None else "defaults"},
                 "engines": {u: {"load": self.load.get(u), "up": self.up.get(u), "heard_s_ago": self.heard_s_ago(u, now),
                                 "events": u in self.events} for u in self.urls},
                 "index": idx}

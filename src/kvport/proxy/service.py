@@ -73,7 +73,7 @@ from kvport.errors import ConfigError, KVPortError
 from kvport.extras import require
 from kvport.planner.cost import Action
 from kvport.planner.pd import Curve, PDPlanner
-from kvport.planner.profile import Link, LinkKind
+from kvport.planner.profile import Link, LinkKind, Profile
 from kvport.protocol.net import is_loopback
 from kvport.proxy.routing import Engines, EventSource
 from kvport.route.policy import PrefixRouter
@@ -142,6 +142,7 @@ class ProxyConfig:
     route_block_size: int | None = None  # the engines' block size (else learned from their events)
     route_stale_s: float = 30.0  # an engine not heard from (events or /metrics) for this long is not chosen
     load_poll_s: float = 1.0  # every engine's /metrics is read this often
+    route_profile: Profile | None = None  # the planner's calibration: the prefix policy's costs (else defaults)
 
     def __post_init__(self) -> None:
         if self.engines and (self.prefill or self.decode):
@@ -237,7 +238,8 @@ class PDProxy:
             url, _, src = spec.partition("=")
             events[url.rstrip("/")] = EventSource.parse(src)
         self.engines = Engines([*self.prefill_urls, *self.decode_urls, *self.engine_urls], events, policy=cfg.route,
-                               block_size=cfg.route_block_size, stale_s=cfg.route_stale_s, poll_s=cfg.load_poll_s)
+                               block_size=cfg.route_block_size, stale_s=cfg.route_stale_s, poll_s=cfg.load_poll_s,
+                               profile=cfg.route_profile, kv_bytes_per_token=cfg.kv_bytes_per_token)
         self._poller: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self.counts: dict[str, int] = {}

@@ -7,7 +7,8 @@ blocks (:class:`~kvport.route.index.Match`, each block at its best place), with 
 
 ``compute(t)`` is the engine's prefill of ``t`` tokens (``a + c t``, :class:`Costs`), ``load(place)``
 what reading one block from there costs (device: nothing; host, local storage, a remote tier:
-measured or configured seconds per block). Prefix routing minimises that; its two fallbacks:
+seconds per block), both from the planner's calibration profile when given (:meth:`Costs.from_profile`).
+Prefix routing minimises that; its two fallbacks:
 
 * no engine holds anything of the prompt: least loaded (fewest running, then round-robin order);
 * an engine not heard from within ``stale_s`` (neither its KV events nor its load, which the caller
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvport.errors import ConfigError
+from kvport.planner.profile import LinkKind, Profile
 from kvport.route.index import Match, Place
 
 
@@ -44,6 +46,30 @@ class Costs:
 
     def compute(self, tokens: int) -> float:
         return self.prefill_fixed_s + self.prefill_token_s * max(0, tokens)
+
+    @classmethod
+    def from_profile(cls, profile: Profile, block_bytes: int | None) -> Costs:
+        """The planner's calibration (``kvport calibrate``) as routing costs: the prefill model's
+        time for one token and its slope to 2,048; each place's load, one block of ``block_bytes``
+        over the profile's link to it (host, disk; a kvport server, Redis or a peer for remote
+        storage). What the profile lacks keeps its default."""
+        base = cls()
+        fixed, per = base.prefill_fixed_s, base.prefill_token_s
+        pf = profile.prefill
+        if pf is not None:
+            one = pf.seconds(0, 1)
+            fixed, per = max(0.0, one), max(0.0, (pf.seconds(0, 2048) - one) / 2047)
+        loads = list(base.load_block_s)
+        if block_bytes:
+            links = {lk.name: lk for lk in profile.links}
+            remote = links.get("server") or links.get("redis") or next(
+                (lk for lk in profile.links if lk.kind is LinkKind.PEER), None)
+            for place, link in ((Place.HOST, links.get("host")), (Place.LOCAL_STORAGE, links.get("disk")),
+                                (Place.REMOTE_STORAGE, remote)):
+                if link is not None:
+                    loads[place] = link.seconds(block_bytes)
+            loads[Place.UNKNOWN] = max(loads)
+        return cls(fixed, per, tuple(loads))
 
 
 @dataclass(frozen=True, slots=True)

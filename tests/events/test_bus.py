@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvport.events.bus import EventPublisher, Subscription
+from kvport.events.bus import MAX_REPLAY_BATCHES, EventPublisher, Subscription
 from kvport.events.wire import Batch, BlockStored
 
 zmq = pytest.importorskip("zmq")
@@ -82,6 +82,9 @@ def test_what_the_replay_buffer_no_longer_has_is_counted_lost() -> None:
             assert start is not None
             got = sub.replay(0, start + 8)  # long gone: only what the 2-batch buffer holds
             assert len(got) <= 2 and sub.lost == start + 8 - len(got)
+            lost = sub.lost
+            sub.replay(0, 10 * MAX_REPLAY_BATCHES)  # a gap too long to ask for whole: its older part is lost
+            assert sub.lost >= lost + 9 * MAX_REPLAY_BATCHES
         finally:
             sub.close()
 

@@ -14,8 +14,12 @@ and the subscriber says so). The publisher's thread owns both sockets (ZeroMQ so
 thread-safe): :meth:`EventPublisher.publish` only queues, bounded by ``max_queue`` batches (a queue
 that is full drops the batch and counts it: the engine is never held up by an indexer).
 
-A subscriber takes at most :data:`MAX_FRAME_BYTES` per frame (``zmq.MAXMSGSIZE``) and decodes with
+A subscriber takes at most :data:`MAX_FRAME_BYTES` per frame (``zmq.MAXMSGSIZE``) and queues at most
+:data:`SUB_HWM` frames (``zmq.RCVHWM``: a publisher that floods a slow subscriber has the excess
+dropped there, which the subscriber sees as a gap), replays at most :data:`MAX_REPLAY_BATCHES` at a
+time (a longer gap: the older part is counted lost), and decodes with
 :func:`kvport.events.wire.decode` (every count capped); a malformed frame is counted and skipped.
+What a subscription holds is so bounded by 256 MiB at worst.
 pyzmq is ``kvport[events]``.
 """
 
@@ -38,7 +42,9 @@ from kvport.extras import require
 
 log = logging.getLogger(__name__)
 
-MAX_FRAME_BYTES = 16 << 20
+MAX_FRAME_BYTES = 4 << 20  # one batch (vLLM's are one scheduler step's events: kilobytes)
+SUB_HWM = 64  # frames a subscription's socket queues
+MAX_REPLAY_BATCHES = 1024  # batches one replay asks for
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _PUBLISHED = metrics.counter("events_published", "KV event batches published, by outcome (sent, dropped)",
                              ["outcome"])
@@ -193,6 +199,7 @@ class Subscription:
         self._ctx = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._sub.setsockopt(zmq.RCVHWM, SUB_HWM)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         # connection events: a publisher that went away and came back (a restarted engine) starts over
         self._monitor = self._sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
@@ -282,6 +289,10 @@ class Subscription:
         zmq = _zmq()
         self.replays += 1
         got: dict[int, Batch] = {}
+        if until - first > MAX_REPLAY_BATCHES:  # the newest of a long gap; the rest is lost
+            if count_lost:
+                self.lost += until - first - MAX_REPLAY_BATCHES
+            first = until - MAX_REPLAY_BATCHES
         if self.replay_endpoint is not None:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -318,4 +329,4 @@ class Subscription:
         self.close()
 
 
-__all__ = ["END_SEQ", "MAX_FRAME_BYTES", "Delivery", "EventPublisher", "Subscription"]
+__all__ = ["END_SEQ", "MAX_FRAME_BYTES", "MAX_REPLAY_BATCHES", "SUB_HWM", "Delivery", "EventPublisher", "Subscription"]

@@ -191,6 +191,10 @@ def test_size_memory_of_one_token_fits_one(capsys: pytest.CaptureFixture[str]) -
     (["proxy", "--engine", "http://127.0.0.1:1", "--kv-events", "http://127.0.0.1:9=tcp://x:1"], "KV event"),
     (["proxy", "--engine", "http://127.0.0.1:1", "--kv-events", "http://127.0.0.1:1=udp://x"], "KV event"),
     (["proxy", "--engine", "http://127.0.0.1:1", "--route-profile", "pyproject.toml"], "--route-profile"),
+    (["proxy", "--engine", "http://127.0.0.1:1", "--kv-events", "http://127.0.0.1:1=tcp://127.0.0.1"], "KV event"),
+    (["proxy", "--engine", "http://127.0.0.1:1", "--kv-events", "http://127.0.0.1:1=ipc:///a",
+      "--kv-events", "http://127.0.0.1:1=ipc:///b"], "two KV event sources"),
+    (["proxy", "--engine", "http://127.0.0.1:1", "--route-stale", "0.01"], "route_stale_s"),
 ])
 def test_bad_values_one_line_naming_the_flag(args: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(args)

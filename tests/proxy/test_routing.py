@@ -38,6 +38,10 @@ class Loaded(Engine):
     metrics_status: int = 200
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_status == 0:  # gone: the connection drops without an answer
+            assert request.transport is not None
+            request.transport.close()
+            raise asyncio.CancelledError
         if self.metrics_status != 200:
             return web.Response(status=self.metrics_status)
         return web.Response(text=f'vllm:num_requests_running{{engine="0",model_name="m"}} {self.load}.0\n'
@@ -155,7 +159,10 @@ def test_an_engine_that_stops_answering_gets_nothing_and_comes_back(tmp_path: Pa
     async def go() -> None:
         async with routed(tmp_path, route="prefix") as (p, url, (e0, e1), (_, pub1)):
             await publish_until_heard(p, pub1, e1.url, holds(PROMPT, 4), 4)
-            e1.metrics_status = 500  # its /metrics fails: down for routing, though it holds the prefix
+            e1.metrics_status = 404  # an answer, though not vLLM's: alive (no load known), still chosen
+            await asyncio.sleep(0.2)
+            assert p.engines.up[e1.url] and (await ask(url, {"prompt": PROMPT})).startswith(f"{e1.url}; prefix")
+            e1.metrics_status = 0  # no answer at all: down for routing, though it holds the prefix
             await until(lambda: not p.engines.up[e1.url])
             for _ in range(3):
                 assert (await ask(url, {"prompt": PROMPT})).startswith(e0.url)
@@ -163,10 +170,10 @@ def test_an_engine_that_stops_answering_gets_nothing_and_comes_back(tmp_path: Pa
             await until(lambda: p.engines.up[e1.url])
             assert (await ask(url, {"prompt": PROMPT})).startswith(f"{e1.url}; prefix")
         # every engine silent past the staleness timeout: 503, no engine asked
-        async with routed(tmp_path, route="round_robin", route_stale_s=0.3) as (p, url, engines, _):
+        async with routed(tmp_path, route="round_robin", route_stale_s=1.0) as (p, url, engines, _):
             for e in engines:
-                e.metrics_status = 404
-            await asyncio.sleep(0.6)
+                e.metrics_status = 0
+            await asyncio.sleep(1.5)
             async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json={"prompt": PROMPT}) as r:
                 assert r.status == 503 and "no engine is up" in (await r.json())["error"]["message"]
             assert all(not e.bodies for e in engines)

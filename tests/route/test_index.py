@@ -51,7 +51,9 @@ def test_a_block_removed_from_one_place_stays_held_in_another() -> None:
     assert ix.match("a", H[:3]).blocks == 0 and ix.blocks == 2
     ix.apply("a", batch(BlockRemoved((H[9],), "GPU")))  # never stored: counted, nothing else
     assert ix.removed_unknown == 1
-    ix.apply("a", batch(AllBlocksCleared()))
+    ix.apply("a", batch(AllBlocksCleared()))  # vLLM's: its device cache; kvport's host tier still holds two
+    assert ix.size("a") == 2 and ix.match("a", H[1:3]).places == (Place.HOST, Place.HOST)
+    ix.apply("a", batch(AllBlocksCleared("CPU")))  # kvport's, naming the tier's medium
     assert ix.size("a") == 0 and ix.blocks == 0
 
 

@@ -77,3 +77,11 @@ def test_costs_from_the_planner_s_calibration_profile() -> None:
     # without the block's size only the prefill comes from the profile; without links the defaults stay
     assert Costs.from_profile(prof, None).load_block_s == Costs().load_block_s
     assert Costs.from_profile(Profile("here", 0.0), 1 << 20) == Costs()
+
+
+def test_ties_are_taken_in_turn() -> None:
+    for policy in ("least_loaded", "prefix"):  # prefix: when nobody holds anything
+        r = PrefixRouter(policy, COSTS)
+        engines = [EngineState("a"), EngineState("b"), EngineState("c")]
+        got = [r.choose(engines, [], 100, 32).engine for _ in range(6)]  # type: ignore[union-attr]
+        assert sorted(got) == ["a", "a", "b", "b", "c", "c"], got

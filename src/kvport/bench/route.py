@@ -83,7 +83,7 @@ def _options(opts: SuiteOptions) -> _Opts:
                  system_tokens=opts.number("system_tokens", 384 if q else 1024, lo=64, integer=True),
                  doc_tokens=opts.number("doc_tokens", 128 if q else 768, lo=0, integer=True),
                  chats=opts.number("chats", 6 if q else 16, lo=1, integer=True),
-                 turns=opts.number("turns", 3 if q else 5, lo=1, integer=True),
+                 turns=opts.number("turns", 3 if q else 8, lo=1, integer=True),
                  cache_blocks=opts.number("cache_blocks", 0 if q else 512, lo=0, integer=True),
                  answer_tokens=opts.number("answer_tokens", 16 if q else 32, lo=1, integer=True),
                  users=opts.number("users", 3, lo=1, integer=True), tiers=tiers,
@@ -301,8 +301,9 @@ def events_per_second(batches: list[list[Event]], root: Path) -> dict[str, Any]:
         for b in batches:
             pub.publish(b)
         done = 0
-        while done < len(batches):
-            for d in sub.poll(5.0):
+        end_by = time.monotonic() + 120.0
+        while done < len(batches) and sub.lost == 0 and time.monotonic() < end_by:
+            for d in sub.poll(1.0):
                 if d.seq >= first:
                     index.apply("e", d.batch, d.seq)
                     done += 1
@@ -343,7 +344,7 @@ def events_per_second(batches: list[list[Event]], root: Path) -> dict[str, Any]:
     return {"events": n_events, "block_hashes": n_hashes, "batches": len(batches),
             "events_per_second": round(n_events / kvport_s), "block_hashes_per_second": round(n_hashes / kvport_s),
             "raw_zmq_events_per_second": round(n_events / raw_s), "vs_raw_zmq": round(raw_s / kvport_s, 4),
-            "lost": lost, "dropped": dropped, "index_blocks_at_end": index.blocks}
+            "delivered": done, "lost": lost, "dropped": dropped, "index_blocks_at_end": index.blocks}
 
 
 def index_bytes_per_block(blocks: int, engines: int = 4) -> dict[str, Any]:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 
 import click
@@ -16,6 +17,8 @@ from kvport.cli.serve_cmd import parse_listen
 from kvport.config import MIN_TOKEN_CHARS, Settings
 from kvport.errors import ConfigError, KVPortError, UserInputError
 from kvport.protocol.net import is_loopback
+
+log = logging.getLogger(__name__)
 
 
 @click.command(name="proxy")
@@ -115,6 +118,9 @@ def proxy_cmd(listen: str, prefill: tuple[str, ...], decode: tuple[str, ...], en
                           load_poll_s=min(1.0, route_stale / 2))
     except ConfigError as exc:
         raise UserInputError(str(exc)) from exc
+    if route == "prefix" and not kv_events:
+        log.warning("kvport proxy: --route prefix without --kv-events: no engine's blocks are known, every "
+                    "request goes to the least loaded engine")
     asyncio.run(serve_proxy(cfg))
 
 

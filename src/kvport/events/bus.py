@@ -15,11 +15,14 @@ thread-safe): :meth:`EventPublisher.publish` only queues, bounded by ``max_queue
 that is full drops the batch and counts it: the engine is never held up by an indexer).
 
 A subscriber takes at most :data:`MAX_FRAME_BYTES` per frame (``zmq.MAXMSGSIZE``) and queues at most
-:data:`SUB_HWM` frames (``zmq.RCVHWM``: a publisher that floods a slow subscriber has the excess
-dropped there, which the subscriber sees as a gap), replays at most :data:`MAX_REPLAY_BATCHES` at a
-time (a longer gap: the older part is counted lost), and decodes with
-:func:`kvport.events.wire.decode` (every count capped); a malformed frame is counted and skipped.
-What a subscription holds is so bounded by 256 MiB at worst.
+:data:`SUB_HWM` frames (``zmq.RCVHWM``, the replay socket too: a publisher that floods a slow
+subscriber has the excess dropped there, which the subscriber sees as a gap), replays at most
+:data:`MAX_REPLAY_BATCHES` at a time (a longer gap: the older part is counted lost), delivers at
+most :data:`MAX_POLL_BATCHES` per :meth:`Subscription.poll` (one busy publisher does not starve the
+others a reader serves), and decodes with :func:`kvport.events.wire.decode` (every count capped); a
+malformed frame is counted and skipped. What a subscription holds is bounded by those counts times
+4 MiB (1 GiB queued, 1 GiB replayed) against a publisher sending batches of the largest size; an
+engine's batches are one scheduler step's events, kilobytes.
 pyzmq is ``kvport[events]``.
 """
 
@@ -43,8 +46,9 @@ from kvport.extras import require
 log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 4 << 20  # one batch (vLLM's are one scheduler step's events: kilobytes)
-SUB_HWM = 64  # frames a subscription's socket queues
-MAX_REPLAY_BATCHES = 1024  # batches one replay asks for
+SUB_HWM = 256  # frames a subscription's socket queues
+MAX_REPLAY_BATCHES = 256  # batches one replay asks for
+MAX_POLL_BATCHES = 256  # batches one poll delivers
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _PUBLISHED = metrics.counter("events_published", "KV event batches published, by outcome (sent, dropped)",
                              ["outcome"])
@@ -204,7 +208,7 @@ class Subscription:
         # connection events: a publisher that went away and came back (a restarted engine) starts over
         self._monitor = self._sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._connected_before = False
-        self._restarted = False
+        self._reconnected = self._restart_pending = False
         self._sub.connect(endpoint)
         self.next_seq: int | None = None  # the next batch expected (None: whatever comes first)
         self.from_start = from_start
@@ -221,7 +225,7 @@ class Subscription:
         self._connections()
         out: list[Delivery] = []
         wait_ms = int(max(0.0, timeout_s) * 1000)
-        while self._sub.poll(wait_ms):
+        while len(out) < MAX_POLL_BATCHES and self._sub.poll(wait_ms):
             wait_ms = 0
             try:
                 frames = self._sub.recv_multipart(zmq.NOBLOCK)
@@ -231,23 +235,22 @@ class Subscription:
             if got is None:
                 continue
             seq, batch = got
-            restart, self._restarted = self._restarted, False
-            if restart:
-                self.next_seq = None
-            if self.next_seq is not None and seq == self.next_seq - 1:
-                self.duplicates += 1  # the last batch again
-                continue
-            if self.next_seq is not None and seq < self.next_seq:
-                # further back than a repeat: a new publisher process (one SUB connection never sees
-                # a batch twice otherwise), whose first batches may have gone before it was joined
-                if not restart:
-                    self.restarts += 1
+            # after a reconnection: a publisher that may be a new process (an engine restarted), so
+            # what it said before is void; else the last batch again is a duplicate, and a step
+            # further back a new publisher too (one connection never repeats)
+            restart, self._reconnected = self._reconnected, False
+            if not restart and self.next_seq is not None and seq < self.next_seq:
+                if seq == self.next_seq - 1:
+                    self.duplicates += 1
+                    continue
                 restart = True
+                self.restarts += 1
             got_now: list[Delivery] = []
-            if self.next_seq is not None and not restart and seq > self.next_seq:
+            if restart or self.next_seq is None:
+                if self.from_start and seq > 0:  # what it holds already: its buffer from the start
+                    got_now = self.replay(0, seq, count_lost=False)
+            elif seq > self.next_seq:
                 got_now = self.replay(self.next_seq, seq)
-            elif (self.next_seq is None or restart) and self.from_start and seq > 0:
-                got_now = self.replay(0, seq, count_lost=False)
             got_now.append(Delivery(seq, batch))
             if restart:  # on the first delivery from the new publisher
                 got_now[0] = Delivery(got_now[0].seq, got_now[0].batch, True)
@@ -256,8 +259,9 @@ class Subscription:
         return out
 
     def _connections(self) -> None:
-        """Read the socket's connection events: connected again after a disconnection means the
-        publisher may be a new process (its sequence numbers start over, what it held is gone)."""
+        """Read the socket's connection events: connected again after a disconnection, the publisher
+        may be a new process (a restarted engine: its sequence numbers start over, what it held is
+        gone), so it is taken as one: forgotten, then learned again from its replay buffer."""
         zmq = _zmq()
         from zmq.utils.monitor import recv_monitor_message
 
@@ -268,9 +272,16 @@ class Subscription:
                 break
             if ev.get("event") == zmq.EVENT_CONNECTED:
                 if self._connected_before:
-                    self._restarted = True
+                    self._reconnected = self._restart_pending = True
                     self.restarts += 1
                 self._connected_before = True
+
+    def reconnected(self) -> bool:
+        """Whether the publisher reconnected since the last call (its next batch is delivered as a
+        restart too): a reader can forget what it said at once, not at its next batch."""
+        self._connections()
+        got, self._restart_pending = self._restart_pending, False
+        return got
 
     def _frame(self, frames: list[bytes]) -> tuple[int, Batch] | None:
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -296,6 +307,7 @@ class Subscription:
         if self.replay_endpoint is not None:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            dealer.setsockopt(zmq.RCVHWM, SUB_HWM)
             dealer.setsockopt(zmq.LINGER, 0)
             try:
                 dealer.connect(self.replay_endpoint)
@@ -329,4 +341,5 @@ class Subscription:
         self.close()
 
 
-__all__ = ["END_SEQ", "MAX_FRAME_BYTES", "MAX_REPLAY_BATCHES", "SUB_HWM", "Delivery", "EventPublisher", "Subscription"]
+__all__ = ["END_SEQ", "MAX_FRAME_BYTES", "MAX_POLL_BATCHES", "MAX_REPLAY_BATCHES", "SUB_HWM", "Delivery",
+           "EventPublisher", "Subscription"]

@@ -14,7 +14,7 @@ numbers and replay). Block hashes are kvport's block keys (16 bytes), parents in
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from kvport.events.wire import (
     LOCAL,
@@ -43,14 +43,11 @@ def place_of(tier: Tier) -> tuple[str, str]:
     return MEDIUM_CPU, LOCAL
 
 
-def store_place(tiers: Sequence[Tier]) -> tuple[str, str, str]:
-    """(medium, locality, ownership) to report a store's saved blocks under, when one event per save
-    is all there is (an engine's connector): its widest tier, the lowest one other engines read if
-    any (what matters to a router choosing among them), else its top tier."""
-    shared = [t for t in tiers if t.caps.shared]
-    tier = shared[-1] if shared else tiers[0]
-    medium, locality = place_of(tier)
-    return medium, locality, f"kvport:{tier.name}"
+def save_places(tiers: Sequence[Tier], written: Collection[str] = ()) -> list[tuple[str, str, str]]:
+    """(medium, locality, ownership) of every tier a save lands in, when one event per save and
+    tier is all there is (an engine's connector reporting its saves): the top tier, and each tier
+    below it that every save is copied to (``written``: write-through or write-behind)."""
+    return [(*place_of(t), f"kvport:{t.name}") for i, t in enumerate(tiers) if i == 0 or t.name in written]
 
 
 class StoreEvents:
@@ -124,4 +121,4 @@ class StoreEvents:
         self.flush()
 
 
-__all__ = ["StoreEvents", "place_of", "store_place"]
+__all__ = ["StoreEvents", "place_of", "save_places"]

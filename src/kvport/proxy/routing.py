@@ -35,11 +35,11 @@ from typing import Any
 
 from kvport import metrics
 from kvport.errors import ConfigError
-from kvport.events.wire import BlockStored
+from kvport.events.wire import BlockHash, BlockStored
 from kvport.planner.profile import Profile
 from kvport.route.index import Place, PrefixIndex
 from kvport.route.policy import Costs, EngineState, PrefixRouter, Route
-from kvport.route.vllm_hash import block_hashes
+from kvport.route.vllm_hash import iter_block_hashes
 
 log = logging.getLogger(__name__)
 
@@ -60,17 +60,27 @@ class EventSource:
     @classmethod
     def parse(cls, spec: str) -> EventSource:
         parts = [p.strip() for p in spec.split(",")]
-        if not 1 <= len(parts) <= 2 or not all(p.startswith(("tcp://", "ipc://", "inproc://")) for p in parts):
-            raise ConfigError(f"a KV event source is ENDPOINT[,REPLAY_ENDPOINT] (tcp://, ipc://), got {spec!r}")
+        if not 1 <= len(parts) <= 2 or not all(_endpoint_ok(p) for p in parts):
+            raise ConfigError(f"a KV event source is ENDPOINT[,REPLAY_ENDPOINT], each tcp://HOST:PORT or ipc://PATH, "
+                              f"got {spec!r}")
         return cls(parts[0], parts[1] if len(parts) == 2 else None)
+
+
+def _endpoint_ok(e: str) -> bool:
+    if e.startswith("ipc://"):
+        return len(e) > len("ipc://")
+    if e.startswith("tcp://"):
+        host, _, port = e[len("tcp://"):].rpartition(":")
+        return bool(host) and port.isdigit() and 0 < int(port) < 65536
+    return False
 
 
 def load_of(text: str) -> int:
     """Requests running and waiting on a vLLM engine, from its ``/metrics`` text (every sample summed)."""
     n = 0.0
     for line in text.splitlines():
-        if line.startswith(LOAD_METRICS):
-            try:
+        if line.startswith(LOAD_METRICS) and line.split("{", 1)[0].split(" ", 1)[0] in LOAD_METRICS:
+            try:  # the name exactly: vllm:num_requests_waiting_by_reason would count the waiting twice
                 n += float(line.rsplit(" ", 1)[1])
             except (IndexError, ValueError):
                 continue
@@ -152,6 +162,11 @@ class Engines:
                     name = names[sock]
                     for d in subs[name].poll(0):
                         self._apply(name, d)
+                for name, sub in subs.items():  # a restarted engine holds nothing: forgotten at once
+                    if sub.reconnected():
+                        with self.lock:
+                            self.index.forget(name)
+                        _EVENTS.labels("restart").inc()
                 if time.monotonic() >= next_expire:
                     next_expire = time.monotonic() + 1.0
                     with self.lock:
@@ -189,11 +204,13 @@ class Engines:
         async def one(url: str) -> None:
             try:
                 async with session.get(url + "/metrics", timeout=timeout) as r:
-                    if r.status != 200:
-                        raise OSError(f"answered {r.status}")
-                    text = (await r.content.read(MAX_METRICS_BYTES)).decode("utf-8", "replace")
+                    # any answer is a heartbeat; a load only from vLLM's (an engine without /metrics: none)
+                    text = (await r.content.read(MAX_METRICS_BYTES)).decode("utf-8", "replace") \
+                        if r.status == 200 else ""
                 self.load[url] = load_of(text)
                 self.polled[url] = time.monotonic()
+                with self.lock:
+                    self.index.touch(url)  # alive: an idle engine publishes nothing, its blocks stay
                 self._slow[url] = 0
                 if not self.up[url]:
                     log.info("kvport proxy: %s answers again", url)
@@ -204,30 +221,52 @@ class Engines:
                 if self.up[url] and (not isinstance(exc, TimeoutError) or self._slow[url] >= 3):
                     log.warning("kvport proxy: %s is down for routing (%s)", url, type(exc).__name__)
                     self.up[url] = False
+            except Exception:  # never the poller's end: routing would freeze on stale loads
+                log.exception("kvport proxy: polling %s failed", url)
 
         while True:
             await asyncio.gather(*(one(u) for u in self.urls))
             await asyncio.sleep(self.poll_s)
 
     def heard_s_ago(self, url: str, now: float) -> float:
-        times = [t for t in (self.polled.get(url), self.index.heard(url), self.since) if t is not None]
+        with self.lock:
+            heard = self.index.heard(url)
+        times = [t for t in (self.polled.get(url), heard, self.since) if t is not None]
         return now - max(times)
 
+    def useful(self, urls: Sequence[str]) -> bool:
+        """Whether a request's tokens can change the choice among ``urls``: the prefix policy, more
+        than one engine, and a block size known (from the events, or configured)."""
+        return self.policy == "prefix" and len(urls) > 1 and self.block_size is not None and bool(self.events)
+
+    def held_hashes(self, tokens: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
+        """vLLM's hashes of the request's blocks, up to the first one no engine holds (nor the shared
+        tier): what a lookup can use, hashed once per request and no further."""
+        bs = self.block_size
+        if not bs:
+            return []
+        out: list[BlockHash] = []
+        with self.lock:
+            for h in iter_block_hashes(tokens, bs, cache_salt=cache_salt):
+                out.append(h)
+                if not self.index.anyone_holds(h):
+                    break
+        return out
+
     # ---------------------------------------------------------------- choice
-    def choose(self, role: str, urls: Sequence[str], busy: dict[str, int], tokens: Sequence[int] | None,
-               cache_salt: str | None) -> Route | None:
-        """The engine among ``urls`` for a request with these prompt ``tokens`` (None: unknown)."""
+    def choose(self, role: str, urls: Sequence[str], busy: dict[str, int], tokens: int,
+               hashes: Sequence[BlockHash]) -> Route | None:
+        """The engine among ``urls`` for a request of ``tokens`` prompt tokens whose leading blocks
+        are ``hashes`` (:meth:`held_hashes`; empty: unknown)."""
         router = self.router(role)
         now = time.monotonic()
         states = [EngineState(u, max(busy.get(u, 0), self.load.get(u, 0)), self.heard_s_ago(u, now),
                               self.up.get(u, True)) for u in urls]
         matches = []
-        bs = self.block_size
-        if router.policy == "prefix" and tokens and bs:
-            hashes = block_hashes(tokens, bs, cache_salt=cache_salt)
+        if router.policy == "prefix" and hashes:
             with self.lock:
                 matches = self.index.match_all(hashes, urls)
-        route = router.choose(states, matches, len(tokens) if tokens else 0, bs or 1)
+        route = router.choose(states, matches, tokens, self.block_size or 1)
         if route is not None:
             _ROUTED.labels(router.policy, route.why).inc()
             self.counts[route.why] = self.counts.get(route.why, 0) + 1

@@ -70,6 +70,7 @@ from kvport import metrics
 from kvport.config import MIN_TOKEN_CHARS
 from kvport.engines.vllm.params import HandoffAsk, parse_dests
 from kvport.errors import ConfigError, KVPortError
+from kvport.events.wire import BlockHash
 from kvport.extras import require
 from kvport.planner.cost import Action
 from kvport.planner.pd import Curve, PDPlanner
@@ -156,12 +157,18 @@ class ProxyConfig:
         if not 0 < self.load_poll_s < self.route_stale_s:
             raise ConfigError("load_poll_s must be positive and shorter than route_stale_s")
         known = {u.rstrip("/") for u in [*self.prefill, *self.decode, *self.engines]}
+        seen: set[str] = set()
         for spec in self.kv_events:
             url, sep, src = spec.partition("=")
             if not sep or url.rstrip("/") not in known:
                 raise ConfigError(f"a KV event source is ENGINE_URL=ENDPOINT[,REPLAY] naming one of the engines, "
                                   f"got {spec!r}")
+            if url.rstrip("/") in seen:
+                raise ConfigError(f"two KV event sources for {url}: give one per engine")
+            seen.add(url.rstrip("/"))
             EventSource.parse(src)
+        if self.route_stale_s < 1.0:
+            raise ConfigError(f"route_stale_s must be at least 1 second, got {self.route_stale_s!r}")
         for url in [*self.prefill, *self.decode, *self.engines]:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"engine URL must start with http:// or https://, got {url!r}")
@@ -241,6 +248,7 @@ class PDProxy:
                                block_size=cfg.route_block_size, stale_s=cfg.route_stale_s, poll_s=cfg.load_poll_s,
                                profile=cfg.route_profile, kv_bytes_per_token=cfg.kv_bytes_per_token)
         self._poller: asyncio.Task[None] | None = None
+        self._tokenized = 0
         self._session: aiohttp.ClientSession | None = None
         self.counts: dict[str, int] = {}
         link = None if cfg.pd_link_bps is None else Link("pd-stream", LinkKind.PEER, cfg.pd_link_bps,
@@ -286,7 +294,7 @@ class PDProxy:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
-        self.engines.stop()
+        await asyncio.to_thread(self.engines.stop)
         if self._session is not None:
             await self._session.close()
 
@@ -403,14 +411,18 @@ class PDProxy:
             return _error(400, f"{PD_HEADER} is one of {', '.join(PD_POLICIES)}, got {policy[:40]!r}")
         t0 = time.monotonic()
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        ids = await self._prompt_ids(path, body, count=policy == "plan" or self.cfg.route == "prefix")
+        # the prompt's tokens only when something uses them: the planner, or a choice its blocks can change
+        useful = any(self.engines.useful(u) for u in (self.engine_urls, self.decode_urls, self.prefill_urls))
+        ids = await self._prompt_ids(path, body, count=policy == "plan" or useful)
         tokens = len(ids) if ids is not None else None
+        held = self.engines.held_hashes(ids, salt) if ids and useful else []  # hashed once, as far as held
+        n = tokens or 0
         if self.engine_urls:
-            return await self._colocated(request, path, body, ids, salt, t0)
+            return await self._colocated(request, path, body, n, held, t0)
         # the decode engine first: the prefill streams the KV to its inbox
-        picked = self._route("decode", self.decode_urls, ids, salt)
+        picked = self._route("decode", self.decode_urls, n, held)
         if picked is None:  # no decode engine is up: a prefill engine computes the request
-            return await self._fallback(request, path, body, ids, salt, {}, "no decode engine is up")
+            return await self._fallback(request, path, body, n, held, {}, "no decode engine is up")
         decode, route = picked
         inbox = self._inbox[decode]
         headers: dict[str, str] = {ROUTE_HEADER: f"{decode}; {route}",
@@ -429,7 +441,7 @@ class PDProxy:
         handed = None
         url = None
         if action is Action.STREAM:
-            pre = self._route("prefill", self.prefill_urls, ids, salt)
+            pre = self._route("prefill", self.prefill_urls, n, held)
             url = None if pre is None else pre[0]
         if url is not None:
             idle = self._busy[url] == 0
@@ -453,19 +465,20 @@ class PDProxy:
                 self._observe(Curve.HANDOFF if taken == "pd" else Curve.DECODE, tokens, first[0])
             return resp
         except _Failed as exc:
-            return await self._fallback(request, path, body, ids, salt, headers, f"decode engine failed: {exc}")
+            return await self._fallback(request, path, body, n, held, headers, f"decode engine failed: {exc}")
 
-    async def _fallback(self, request: web.Request, path: str, body: dict[str, Any], ids: list[int] | None,
-                        salt: str | None, headers: dict[str, str], why: str) -> web.StreamResponse:
+    async def _fallback(self, request: web.Request, path: str, body: dict[str, Any], n: int, held: list[BlockHash],
+                        headers: dict[str, str], why: str) -> web.StreamResponse:
         """No decode engine answered: a prefill engine (a vLLM engine like any other) computes the request."""
         log.warning("kvport proxy: %s before answering; a prefill engine computes the request", why)
         plain = dict(body)
         plain.pop("kv_transfer_params", None)
         headers[PATH_HEADER] = "fallback"
         try:
-            back = self._route("prefill", self.prefill_urls, ids, salt)
+            back = self._route("prefill", self.prefill_urls, n, held)
             if back is None:
                 raise _Failed("no prefill engine is up either")
+            headers[ROUTE_HEADER] = f"{back[0]}; {back[1]}"
             resp = await self._forward(request, back[0], path, plain, headers, [])
             self._count("fallback")
             return resp
@@ -473,23 +486,22 @@ class PDProxy:
             self._count("failed")
             return _error(502, f"no engine could answer: {exc}")
 
-    def _route(self, role: str, urls: Sequence[str], ids: list[int] | None, salt: str | None) \
-            -> tuple[str, str] | None:
+    def _route(self, role: str, urls: Sequence[str], tokens: int, held: list[BlockHash]) -> tuple[str, str] | None:
         """The engine of ``role`` for this request, and why; None when none of them is up. One engine
         of a role is always taken (there is nothing to choose, and nothing to wait for)."""
         if len(urls) == 1:
             return urls[0], "only"
-        got = self.engines.choose(role, urls, self._busy, ids, salt)
+        got = self.engines.choose(role, urls, self._busy, tokens, held)
         return None if got is None else (got.engine, got.why)
 
-    async def _colocated(self, request: web.Request, path: str, body: dict[str, Any], ids: list[int] | None,
-                         salt: str | None, t0: float) -> web.StreamResponse:
+    async def _colocated(self, request: web.Request, path: str, body: dict[str, Any], tokens: int,
+                         held: list[BlockHash], t0: float) -> web.StreamResponse:
         """Whole requests, no PD: to the engine the route policy picks; another one when it fails
         before answering."""
         tried: list[str] = []
         for _ in range(min(2, len(self.engine_urls))):
             left = [u for u in self.engine_urls if u not in tried]
-            picked = self._route("engine", left, ids, salt)
+            picked = self._route("engine", left, tokens, held)
             if picked is None:
                 break
             url, why = picked
@@ -533,8 +545,10 @@ class PDProxy:
                 return None
         if isinstance(body.get("model"), str):
             ask["model"] = body["model"]
-        up = [u for u in (self.decode_urls or self.engine_urls) if self.engines.up.get(u, True)]
-        url = up[0] if up else (self.decode_urls or self.engine_urls)[0]
+        urls = self.decode_urls or self.engine_urls
+        up = [u for u in urls if self.engines.up.get(u, True)] or urls
+        self._tokenized += 1
+        url = up[self._tokenized % len(up)]  # in turn: no one engine tokenizes for all
         try:
             async with self.session.post(url + "/tokenize", json=ask,
                                          timeout=aiohttp.ClientTimeout(total=_TOKENIZE_TIMEOUT_S)) as r:

@@ -153,9 +153,13 @@ class PrefixIndex:
                         del blocks[h]
                         self.blocks -= 1
                 n += len(ev.block_hashes)
-            elif isinstance(ev, AllBlocksCleared):  # the engine's own: a shared tier outlives its cache
-                self.blocks -= len(e.blocks)
-                e.blocks.clear()
+            elif isinstance(ev, AllBlocksCleared):  # the engine's device cache (vLLM's reset): its other places stay
+                dev = sum(1 << b for b, k in enumerate(e.kinds) if k == Place.DEVICE)
+                if ev.medium not in (None, MEDIUM_GPU):  # kvport's: that medium's places
+                    dev = sum(bit for (m, _, _), bit in e.places.items() if m == ev.medium)
+                keep = {h: m & ~dev for h, m in e.blocks.items() if m & ~dev}
+                self.blocks -= len(e.blocks) - len(keep)
+                e.blocks = keep
                 n += 1
         own.events += n
         self._trim(own)
@@ -181,10 +185,12 @@ class PrefixIndex:
         return bit
 
     def _trim(self, e: _Engine) -> None:
-        while len(e.blocks) > self.max_per_engine:
-            del e.blocks[next(iter(e.blocks))]
-            self.blocks -= 1
-            self.trimmed += 1
+        over = len(e.blocks) - self.max_per_engine
+        if over > 0:  # its oldest, in one pass
+            for h in list(itertools.islice(e.blocks, over)):
+                del e.blocks[h]
+            self.blocks -= over
+            self.trimmed += over
         while self.blocks > self.max_blocks:  # the largest engine gives up its oldest, all at once
             biggest = max(self._engines.values(), key=lambda x: len(x.blocks))
             n = min(self.blocks - self.max_blocks, len(biggest.blocks))
@@ -192,6 +198,13 @@ class PrefixIndex:
                 del biggest.blocks[h]
             self.blocks -= n
             self.trimmed += n
+
+    def touch(self, engine: str) -> None:
+        """The engine was heard from another way (it answered its ``/metrics``): alive, keep its
+        blocks (an idle engine publishes nothing)."""
+        e = self._engines.get(engine)
+        if e is not None:
+            e.last_seen = self.clock()
 
     def expect(self, engine: str, next_seq: int) -> None:
         """After a replay that could not give everything: take ``next_seq`` as the next batch."""
@@ -242,6 +255,10 @@ class PrefixIndex:
                 break
             places.append(min(_best(mine, kinds), _best(theirs, skinds)))
         return Match(engine, len(places), tuple(places))
+
+    def anyone_holds(self, h: BlockHash) -> bool:
+        """Whether any engine (or the shared tier) holds block ``h``."""
+        return any(h in e.blocks for e in self._engines.values())
 
     def match_all(self, hashes: Sequence[BlockHash], engines: Iterable[str] | None = None) -> list[Match]:
         return [self.match(n, hashes) for n in (self.engines() if engines is None else engines)]

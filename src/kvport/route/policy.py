@@ -114,7 +114,8 @@ class PrefixRouter:
             return None
         if self.policy == "round_robin":
             return Route(up[next(self._rr) % len(up)].name, "round_robin")
-        least = min(up, key=lambda e: (e.running, (up.index(e) - next(self._rr)) % len(up)))
+        k = next(self._rr)  # ties taken in turn
+        least = min(enumerate(up), key=lambda t: (t[1].running, (t[0] - k) % len(up)))[1]
         if self.policy == "least_loaded":
             return Route(least.name, "least_loaded")
         held = {m.engine: m for m in matches}

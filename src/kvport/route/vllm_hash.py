@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 DEFAULT_SEED = "vllm-none-hash"
 _MASK = (1 << 64) - 1
@@ -28,18 +28,23 @@ def _sha256(obj: object) -> bytes:
     return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, *, cache_salt: str | None = None,
-                 seed: str = DEFAULT_SEED, as_int: bool = True) -> list[bytes | int]:
-    """The hashes of ``tokens``' full blocks, as a vLLM engine's KV events name them."""
+def iter_block_hashes(tokens: Sequence[int], block_size: int, *, cache_salt: str | None = None,
+                      seed: str = DEFAULT_SEED, as_int: bool = True) -> Iterator[bytes | int]:
+    """The hashes of ``tokens``' full blocks, first to last, as a vLLM engine's KV events name them
+    (lazily: a caller that stops early hashes no further)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     parent = _sha256(seed)
-    out: list[bytes | int] = []
     for i in range(len(tokens) // block_size):
         extra = (("cache_salt", cache_salt),) if i == 0 and cache_salt else None
         parent = _sha256((parent, tuple(tokens[i * block_size : (i + 1) * block_size]), extra))
-        out.append(int.from_bytes(parent, "big") & _MASK if as_int else parent)
-    return out
+        yield int.from_bytes(parent, "big") & _MASK if as_int else parent
 
 
-__all__ = ["DEFAULT_SEED", "block_hashes"]
+def block_hashes(tokens: Sequence[int], block_size: int, *, cache_salt: str | None = None,
+                 seed: str = DEFAULT_SEED, as_int: bool = True) -> list[bytes | int]:
+    """The hashes of ``tokens``' full blocks, as a vLLM engine's KV events name them."""
+    return list(iter_block_hashes(tokens, block_size, cache_salt=cache_salt, seed=seed, as_int=as_int))
+
+
+__all__ = ["DEFAULT_SEED", "block_hashes", "iter_block_hashes"]

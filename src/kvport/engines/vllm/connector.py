@@ -107,7 +107,7 @@ from kvport.codec.envelope import stored_bytes
 from kvport.config import Settings
 from kvport.engines.vllm.gate import gate
 from kvport.errors import EngineError, HandoffNotSentError, HandoffParamsError, HandoffVersionError, KVPortError
-from kvport.events.store import store_place
+from kvport.events.store import save_places
 from kvport.keys import KeyContext
 from kvport.ledger import Ledger
 from kvport.planner import Planner, Profile
@@ -314,7 +314,10 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                                                                   False))
         self._events: list[Any] = []
         self._requests: dict[str, Request] = {}  # live vLLM requests (their block_hashes grow with them)
-        self._event_place = store_place(list(self.store.tiers.values()))
+        written = [n for n, p in self.store.tier_policies.items() if p.write is not WriteMode.BACK]
+        self._event_places = save_places(list(self.store.tiers.values()), written)
+        fields = set(getattr(_VBlockStored, "__struct_fields__", ()))
+        self._event_fields = {"locality", "ownership"} & fields  # vLLM 0.32 has both; kvport's own if not
 
     # ================================================================ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -433,7 +436,12 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                               None if ids is None else ids[0], req_id in cached.resumed_req_ids))
         plan = self.planner.step(scheduled)
         if self._publish:
-            self._saved_events(plan)
+            try:
+                self._saved_events(plan)
+            except Exception:  # never into vLLM's scheduler: the events stop, the engine goes on
+                log.exception("kvport: reporting saves as KV events failed; no more such events from this engine")
+                self._publish = False
+                self._events.clear()
         for req_id in so.finished_req_ids:
             self.planner.finish(req_id)
             self._requests.pop(req_id, None)
@@ -445,20 +453,26 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         ``ownership`` "kvport:<tier>"). Planned saves: one that fails leaves a block a router thinks
         is there, which costs that request a recompute, never a wrong answer. Evictions from kvport's
         tiers are not reported (their blocks leave a router's index with its caps)."""
-        medium, locality, owner = self._event_place
         bs = self.spec.block_size
         for c in plan.saves:
             req = self._requests.get(c.req_id)
             if req is None or c.start < 0:
                 continue
+            # vLLM hashes blocks of its cache's block size (another under context parallelism or hybrid
+            # KV groups: then its hashes and kvport's blocks do not line up, and nothing is reported)
+            if len(req.block_hashes) != len(req.all_token_ids) // bs:
+                continue
             hashes = req.block_hashes[c.start : c.start + len(c.keys)]
             if not hashes:
                 continue
             parent = _external_hash(req.block_hashes[c.start - 1]) if c.start else None
-            self._events.append(_VBlockStored(
-                block_hashes=[_external_hash(h) for h in hashes], parent_block_hash=parent,
-                token_ids=list(req.all_token_ids[c.start * bs : (c.start + len(hashes)) * bs]), block_size=bs,
-                lora_id=None, medium=medium, lora_name=None, locality=locality, ownership=owner))
+            ints = [_external_hash(h) for h in hashes]
+            tokens = list(req.all_token_ids[c.start * bs : (c.start + len(hashes)) * bs])
+            for medium, locality, owner in self._event_places:
+                extra = {k: v for k, v in (("locality", locality), ("ownership", owner)) if k in self._event_fields}
+                self._events.append(_VBlockStored(block_hashes=ints, parent_block_hash=parent, token_ids=tokens,
+                                                  block_size=bs, lora_id=None, medium=medium, lora_name=None,
+                                                  **extra))
         if len(self._events) > MAX_PENDING_EVENTS:  # nobody takes them: the oldest go
             del self._events[: len(self._events) - MAX_PENDING_EVENTS]
 

@@ -1,4 +1,4 @@
-"""A small prefill/decode proxy speaking the OpenAI API, in front of vLLM engines running KVPortConnector.
+"""A small prefill/decode proxy and KV-aware router speaking the OpenAI API, in front of vLLM engines.
 
 ``kvport proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200``: any OpenAI client
 points at it (``/v1/completions``, ``/v1/chat/completions``, streamed or not; ``/v1/models`` and
@@ -46,8 +46,13 @@ prefill engine), 503 ``down`` when none does; the JSON body says which engine an
 Counters (``/metrics``): ``kvport_pd_proxy_requests_total{path}`` with path ``pd`` (handed over),
 ``recompute`` (chosen: the decode engine computed the prompt), ``no_handoff`` (prefill failed),
 ``fallback`` (decode failed, served by a prefill engine), ``failed`` and ``aborted`` (the client
-disconnected first); ``kvport_pd_planner_decisions_total{action,why}``. Engines are taken
-round-robin. Binds
+disconnected first); ``kvport_pd_planner_decisions_total{action,why}``.
+
+Which engine of a role (``route``, :mod:`kvport.proxy.routing`): round-robin (the default), the least
+loaded, or the one whose predicted time to first token is lowest from the blocks it holds (its KV
+events) and its load; ``engines`` instead of prefill and decode: each request goes whole to one of
+them (``kv_both`` or plain engines), another one when it fails before answering. Answers carry
+``X-KVport-Route`` (the engine; why) and ``X-KVport-Route-Ms``; ``GET /kvport/route``. Binds
 127.0.0.1 by default; another address needs ``auth_token`` (``kvport proxy`` requires the length
 ``kvport serve`` does), which every request must then carry as ``Authorization: Bearer``.
 """

@@ -58,7 +58,7 @@ TOPICS = ["a travel agent booking trains across Europe", "a support desk for a c
 
 
 @dataclass(frozen=True, slots=True)
-class _Opts:
+class _RouteOpts:
     system_prompts: int
     system_tokens: int
     doc_tokens: int  # each chat opens with a document of its own (what only its engine holds)
@@ -71,7 +71,7 @@ class _Opts:
     think_s: float  # a user waits up to this (uniform, seeded) between two requests: users drift apart
 
 
-def _options(opts: SuiteOptions) -> _Opts:
+def _options(opts: SuiteOptions) -> _RouteOpts:
     q = opts.quick
     tiers = tuple(t.strip() for t in str(opts.extra.get("tier", "disk" if q else "disk,none")).split(",") if t.strip())
     if not tiers or any(t not in ("disk", "none") for t in tiers):
@@ -79,7 +79,7 @@ def _options(opts: SuiteOptions) -> _Opts:
 
         raise ConfigError(f"--set tier={opts.extra.get('tier')!r}: disk (kvport's connector over one disk folder), "
                           "none (vLLM's own prefix cache only), or both: disk,none")
-    return _Opts(system_prompts=opts.number("system_prompts", 2, lo=1, integer=True),
+    return _RouteOpts(system_prompts=opts.number("system_prompts", 2, lo=1, integer=True),
                  system_tokens=opts.number("system_tokens", 384 if q else 1024, lo=64, integer=True),
                  doc_tokens=opts.number("doc_tokens", 128 if q else 768, lo=0, integer=True),
                  chats=opts.number("chats", 6 if q else 16, lo=1, integer=True),
@@ -116,14 +116,14 @@ def document(c: int, tokens: int) -> str:
     return " ".join(sentences)
 
 
-def chats(o: _Opts) -> list[list[dict[str, str]]]:
+def chats(o: _RouteOpts) -> list[list[dict[str, str]]]:
     systems = [system_prompt(i, o.system_tokens) for i in range(o.system_prompts)]
     return [[{"role": "system", "content": systems[c % o.system_prompts]},
              {"role": "user", "content": f"(chat {c}) {document(c, o.doc_tokens)} {FIRST[c % len(FIRST)]}"}]
             for c in range(o.chats)]
 
 
-def _run_policy(o: _Opts, url: str, openings: list[list[dict[str, str]]], salt: str) \
+def _run_policy(o: _RouteOpts, url: str, openings: list[list[dict[str, str]]], salt: str) \
         -> tuple[list[dict[str, Any]], list[list[str]]]:
     """Every chat's turns through the proxy at ``url``; ``users`` clients, each going round its chats."""
     rows: list[dict[str, Any]] = []
@@ -191,7 +191,7 @@ def _policy_result(rows: list[dict[str, Any]], before: dict[str, float], after: 
             "requests_per_engine": sorted(engines.values()), "why": why}
 
 
-def _routing(o: _Opts, tier: str, root: Path, progress: Callable[[str], None]) -> dict[str, Any]:
+def _routing(o: _RouteOpts, tier: str, root: Path, progress: Callable[[str], None]) -> dict[str, Any]:
     model = Settings.from_env().model_dir
     from kvport.refmodel import is_prepared, prepare
 

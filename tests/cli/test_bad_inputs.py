@@ -188,6 +188,13 @@ def test_size_memory_of_one_token_fits_one(capsys: pytest.CaptureFixture[str]) -
     (["proxy", "--prefill", "http://127.0.0.1:1"], "--decode"),
     (["proxy", "--engine", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"], "--engine"),
     (["proxy", "--engine", "http://127.0.0.1:1", "--route", "sticky"], "--route"),
+])
+def test_bad_values_one_line_naming_the_flag(args: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(args)
+    assert_one_line_error(rc, capsys.readouterr().err, flag)
+
+
+@pytest.mark.parametrize(("args", "flag"), [
     (["proxy", "--engine", "http://127.0.0.1:1", "--kv-events", "http://127.0.0.1:9=tcp://x:1"], "KV event"),
     (["proxy", "--engine", "http://127.0.0.1:1", "--kv-events", "http://127.0.0.1:1=udp://x"], "KV event"),
     (["proxy", "--engine", "http://127.0.0.1:1", "--route-profile", "pyproject.toml"], "--route-profile"),
@@ -196,7 +203,9 @@ def test_size_memory_of_one_token_fits_one(capsys: pytest.CaptureFixture[str]) -
       "--kv-events", "http://127.0.0.1:1=ipc:///b"], "two KV event sources"),
     (["proxy", "--engine", "http://127.0.0.1:1", "--route-stale", "0.01"], "route_stale_s"),
 ])
-def test_bad_values_one_line_naming_the_flag(args: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_route_values_one_line(args: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The proxy's own checks (its config needs aiohttp: the vllm extra)."""
+    pytest.importorskip("aiohttp")
     rc = main(args)
     assert_one_line_error(rc, capsys.readouterr().err, flag)
 

@@ -47,22 +47,12 @@ class Loaded(Engine):
         return web.Response(text=f'vllm:num_requests_running{{engine="0",model_name="m"}} {self.load}.0\n'
                                  f'vllm:num_requests_waiting{{engine="0",model_name="m"}} 0.0\n')
 
-    @asynccontextmanager
-    async def running(self) -> AsyncIterator[Engine]:
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._completions)
-        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/tokenize", self._tokenize)  # always: vLLM's, counting tokenize_count (or none)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
-        runner = web.AppRunner(app, handler_cancellation=True)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        self.port = runner.addresses[0][1]
-        try:
-            yield self
-        finally:
-            await runner.cleanup()
 
 
 def holds(tokens: list[int], n_blocks: int, salt: str | None = None) -> BlockStored:

@@ -74,15 +74,18 @@ class Engine:
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
 
-    @asynccontextmanager
-    async def running(self) -> AsyncIterator[Engine]:
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         if self.tokenize_count is not None:
             app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/health", self._health)
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[Engine]:
+        app = web.Application()
+        self.routes(app)
         runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()

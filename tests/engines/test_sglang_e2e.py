@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from kvport.deploy.sglang_serve import SGLangServer, storage_tokens  # noqa: E402
-from kvport.deploy.vllm_serve import KVPortServer, free_ports  # noqa: E402
+from kvport.deploy.sglang_serve import SGLangServer, storage_tokens
+from kvport.deploy.vllm_serve import KVPortServer, free_ports
 
 SHIMS = Path(__file__).resolve().parents[1] / "support" / "sglang_cpu"
 PAGE = 64

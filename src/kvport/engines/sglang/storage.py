@@ -97,7 +97,7 @@ class _Slots:
         self.capacity = capacity
 
 
-class KVPortStorage(HiCacheStorage):
+class KVPortStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no type information
     """HiCache's storage backend over a kvport store (see the module's docstring)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
@@ -197,7 +197,7 @@ class KVPortStorage(HiCacheStorage):
             return 0
         spec = self.spec
         assert spec is not None
-        hits = self.store.lookup(self.keys_of(names)).prefix_blocks
+        hits = int(self.store.lookup(self.keys_of(names)).prefix_blocks)
         self._count("hit", hits)
         self._count("miss", len(names) - hits)
         if hits and self.planner is not None:
@@ -216,7 +216,7 @@ class KVPortStorage(HiCacheStorage):
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Load pages into the host pool at ``host_indices``; True for each leading page loaded intact."""
-        ok = self._guard("batch_get_v1", [], lambda: self._batch_get(keys, host_indices))
+        ok: list[bool] = self._guard("batch_get_v1", [], lambda: self._batch_get(keys, host_indices))
         return ok + [False] * (len(keys) - len(ok))
 
     def _deadline(self, n: int) -> Deadline:
@@ -273,7 +273,7 @@ class KVPortStorage(HiCacheStorage):
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Store the host pool's pages at ``host_indices`` under ``keys``; True for each page stored."""
-        ok = self._guard("batch_set_v1", [], lambda: self._batch_set(keys, host_indices, extra_info))
+        ok: list[bool] = self._guard("batch_set_v1", [], lambda: self._batch_set(keys, host_indices, extra_info))
         return ok + [False] * (len(keys) - len(ok))
 
     def _batch_set(self, names: list[str], host_indices: torch.Tensor,

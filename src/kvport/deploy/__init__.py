@@ -12,6 +12,8 @@ Modules::
     vllm_bench    the entry ``kvport bench prefix`` calls for its ``results.vllm`` half
     vllm_serve    EngineServer (one ``vllm serve`` in a role), KVPortServer, ProxyServer: a PD deployment,
                   and its recipe (``python -m kvport.deploy.vllm_serve``)
+    sglang_serve  SGLangServer: one SGLang server with HiCache and kvport's (or SGLang's file) L3 backend
+    sglang_bench  prefix_ttft(): ``kvport bench prefix --set engine=sglang``, kvport vs the file backend vs recompute
     redis_cluster  RedisClusterProcs: a real Redis Cluster on this host (3 + 3 nodes), and its faults
                    on demand (a node killed or paused, slots migrated while serving)
 """

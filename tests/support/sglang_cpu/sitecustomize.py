@@ -8,12 +8,21 @@ PYTHONPATH of the SGLang server processes the tests start; never part of kvport'
 
 Both are applied right after the module that needs them is imported (a meta-path hook), so the
 process imports nothing of SGLang before it asks.
+
+Opt-in, ``KVPORT_SGLANG_SUFFIX_ATTENTION=1`` (``kvport bench prefix --set engine=sglang
+--set attention=suffix``): SGLang's CPU fallback attention (``torch_native``, what runs on a CPU
+without AMX) computes an extend's attention for the *whole* sequence, prefix queries included, and
+keeps the new tokens' rows (its own TODO says so), so a cached prefix saves only the linear layers.
+This stand-in computes the new tokens' queries only, against the whole prefix's keys under the same
+causal rule, as SGLang's GPU backends and its AMX kernel do; the answers are the same (the benchmark
+checks its tokens). Sliding windows and encoder-decoder calls keep SGLang's own code.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -47,10 +56,49 @@ def _patch_mha(module: ModuleType) -> None:
     module.transfer_kv_direct = transfer_kv_direct
 
 
+def _patch_torch_native(module: ModuleType) -> None:
+    cls = module.TorchNativeAttnBackend
+    original = cls._run_sdpa_forward_extend
+
+    def extend(self: Any, query: Any, output: Any, k_cache: Any, v_cache: Any, req_to_token: Any,
+               req_pool_indices: Any, seq_lens: Any, extend_prefix_lens: Any, extend_seq_lens: Any,
+               encoder_lens: Any = None, scaling: Any = None, enable_gqa: bool = False, causal: bool = False,
+               is_cross_attn: bool = False, sliding_window_size: Any = None) -> Any:
+        if encoder_lens is not None or (sliding_window_size is not None and sliding_window_size > -1):
+            return original(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                            extend_prefix_lens, extend_seq_lens, encoder_lens, scaling, enable_gqa, causal,
+                            is_cross_attn, sliding_window_size)
+        import torch
+        from torch.nn.functional import scaled_dot_product_attention
+
+        q_all = query.movedim(0, query.dim() - 2)  # [heads, tokens, dim]
+        start_q = 0
+        for i in range(seq_lens.shape[0]):
+            n_q, prefix, n_kv = int(extend_seq_lens[i]), int(extend_prefix_lens[i]), int(seq_lens[i])
+            q = q_all[:, start_q : start_q + n_q, :]
+            tokens = req_to_token[req_pool_indices[i], :n_kv]
+            k = k_cache[tokens].movedim(0, query.dim() - 2).to(q.dtype)
+            v = v_cache[tokens].movedim(0, query.dim() - 2).to(q.dtype)
+            mask = None
+            if causal and prefix > 0:  # query j (absolute position prefix + j) sees keys 0 .. prefix + j
+                mask = torch.arange(n_kv, device=q.device)[None, :] <= (
+                    prefix + torch.arange(n_q, device=q.device)[:, None])
+            out = scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                                               enable_gqa=enable_gqa, scale=scaling,
+                                               is_causal=causal and prefix == 0)
+            output[start_q : start_q + n_q, :, :] = out.squeeze(0).movedim(query.dim() - 2, 0)
+            start_q += n_q
+        return output
+
+    cls._run_sdpa_forward_extend = extend
+
+
 _PATCHES = {
     "sglang.srt.mem_cache.pool_host.base": _patch_base,
     "sglang.srt.mem_cache.pool_host.mha": _patch_mha,
 }
+if os.environ.get("KVPORT_SGLANG_SUFFIX_ATTENTION") == "1":
+    _PATCHES["sglang.srt.layers.attention.torch_native_backend"] = _patch_torch_native
 
 
 class _Loader(importlib.abc.Loader):

@@ -12,6 +12,7 @@ Modules, bottom up (only ``spin`` and ``connector`` import vLLM, and only when u
     identity     engine_spec(): the KVSpec (config + weights + dtype + block size + layout) keys chain from
     plan         StepPlanner: scheduler-side lookups, pending loads, per-step saves and streams (pure)
     gate         the cost planner's say over a lookup: load the external hit, or decline it and recompute
+    store        open_connector_store(): the store an engine adapter opens from its ``kvport_*`` keys (SGLang's too)
     paged        PagedKV / PagedLayout / StagingSlots: vLLM's paged layouts (CPU, packed, split K/V, MLA) and
                  the copies to and from the one stored block format
     params       HandoffAsk / HandoffAnswer: the hand-off's kv_transfer_params, typed, one parser each

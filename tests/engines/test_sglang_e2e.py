@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import os
 import random
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("sglang")
 
+from kvport.client.conn import ClientConfig
+from kvport.client.remote import RemoteTier
 from kvport.deploy.sglang_serve import SGLangServer, storage_tokens
 from kvport.deploy.vllm_serve import KVPortServer, free_ports
 
@@ -21,6 +25,22 @@ PAGE = 64
 
 def _env() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(p for p in (str(SHIMS), os.environ.get("PYTHONPATH", "")) if p)}
+
+
+def _held(port: int) -> int:
+    """Whole pages (values of at least a page of the reference model) the kvport server holds."""
+    client = RemoteTier(ClientConfig(port=port))
+    try:
+        return int(client.used_bytes) // (PAGE * 46_080)
+    finally:
+        client.close()
+
+
+def _wait_until(cond: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "the shared tier never got the first engine's pages"
+        time.sleep(0.2)
 
 
 def _server(model_dir: Path, port: int, tmp: Path, name: str, storage: str | None, **kw: object) -> SGLangServer:
@@ -49,7 +69,10 @@ def test_second_engine_loads_what_the_first_stored(model_dir: Path, tmp_path: Pa
         plain.stop()
         first = a.generate(prompt, max_new_tokens=12)
         assert first["output_ids"] == want and storage_tokens(first) == 0
-        a.stop()  # HiCache writes every page through to storage as it is computed; a's process is gone
+        # HiCache writes the pages to storage behind the request (its backup thread): wait for all 10
+        pages = len(prompt) // PAGE
+        _wait_until(lambda: _held(shared.port) >= pages, 60)
+        a.stop()  # a's process is gone: only the shared tier has its pages
         b.start()
         b.wait_healthy()
         second = b.generate(prompt, max_new_tokens=12)

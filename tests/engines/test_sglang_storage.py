@@ -55,7 +55,7 @@ def test_zero_copy_round_trip_every_layout(layout: str, model_dir: Path, tmp_pat
     assert be.batch_get_v1(keys, page_indices(10, 4)) == [True] * 4
     # SGLang's own view of the loaded pages: the bytes it saved, in its own layout
     assert all(torch.equal(pool.get_data_page((10 + i) * P, flat=True), before[i]) for i in range(4))
-    assert be.get_stats()["loaded"] == 4
+    assert be.stats["loaded"] == 4
     be.close()
 
 
@@ -153,7 +153,7 @@ def test_corrupt_partial_and_evicted_pages_are_misses(model_dir: Path, tmp_path:
     store.put(kv[1], bytes(bad))
     untouched = _pages(be)[21:25].clone()
     assert be.batch_get_v1(keys, page_indices(20, 5)) == [True] + [False] * 4
-    assert be.get_stats()["refused"] == 1 and not store.contains(kv[1])  # the refused page is gone
+    assert be.stats["refused"] == 1 and not store.contains(kv[1])  # the refused page is gone
     assert torch.equal(_pages(be)[21:25], untouched)  # nothing after the bad page reached the pool
     # a truncated page (a partial write)
     store.put(kv[1], bytes(good[1][: len(good[1]) // 2]))
@@ -162,7 +162,7 @@ def test_corrupt_partial_and_evicted_pages_are_misses(model_dir: Path, tmp_path:
     store.delete(kv[1])
     store.put(kv[1], bytes(good[2]))
     assert be.batch_get_v1(keys[:2], page_indices(20, 2)) == [True, False]
-    assert be.get_stats()["refused"] == 2
+    assert be.stats["refused"] == 2
     # evicted between batch_exists and batch_get_v1
     assert be.batch_set_v1(keys, page_indices(0, 5)) == [True] * 5
     assert be.batch_exists(keys) == 5
@@ -183,7 +183,7 @@ def test_bad_calls_never_raise(model_dir: Path, tmp_path: Path) -> None:
     assert be.batch_exists([]) == 0
     assert be.batch_get(names(1), [torch.zeros(3)]) == [None]  # a target that is not a page
     assert be.batch_set(names(1), [torch.zeros(3)]) is False
-    assert be.get_stats()["loaded"] == 0
+    assert be.stats["loaded"] == 0
     be.close()
 
 
@@ -239,7 +239,7 @@ def test_planner_declines_a_hit_slower_than_recompute(model_dir: Path, tmp_path:
         return Planner(prof, machine="test")
 
     be.planner = planner(1e3)  # 1 kB/s: loading 64 tokens takes minutes, recomputing them 64 ms
-    assert be.batch_exists(names(4)) == 0 and be.get_stats()["declined"] == 4
+    assert be.batch_exists(names(4)) == 0 and be.stats["declined"] == 4
     be.planner = planner(100e9)
     assert be.batch_exists(names(4)) == 4
     be.close()

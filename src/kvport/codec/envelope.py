@@ -25,7 +25,7 @@ to back (little-endian)::
 | kind | part | layer | sub |
 |---|---|---|---|
 | 1 K, 2 V | one layer's keys / values ``[heads, tokens, dim]`` (lkhtd) | the layer | 0 |
-| 3 KV | one layer's slab, per head K rows then V rows (vllm_cpu) | the layer | 0 |
+| 3 KV | a layer's slab: per head K then V rows (vllm_cpu); K, V ``[tokens, heads, dim]`` (vllm_nhd) | the layer | 0 |
 | 4 LATENT | one layer's latent ``[tokens, dim]`` (MLA) | the layer | 0 |
 | 16 META | codec id and params, msgpack ``{"id", "params"}`` | 0xFFFF | 0 |
 | 17 SECTION | a codec payload section (codes, scales, zero points, bit tables) | 0xFFFF | its index |
@@ -296,7 +296,7 @@ def layout_parts(spec: KVSpec, extras: Sequence[tuple[int, int]] = ()) -> tuple[
         kinds = [(PartKind.LATENT, layer, 0, per) for layer in range(L)]
     elif spec.layout is Layout.LKHTD:
         kinds = [(kind, layer, 0, per // 2) for layer in range(L) for kind in (PartKind.K, PartKind.V)]
-    elif spec.layout is Layout.VLLM_CPU:
+    elif spec.layout in (Layout.VLLM_CPU, Layout.VLLM_NHD):
         kinds = [(PartKind.KV, layer, 0, per) for layer in range(L)]
     else:
         raise CodecParamsError(f"layout {spec.layout.value} has no stored block format")

@@ -69,12 +69,17 @@ def _one_backend(server: SGLangServer, rng: random.Random, tokens: int, cached: 
         server.generate(fresh()[:256])  # warm-up (first-request compilation, allocations)
         ts: dict[str, list[float]] = {"hit": [], "device_hit": [], "recompute": []}
         stored: list[int] = []
+        short = 0
         for _ in range(trials):
-            prompt = fresh()
-            server.generate(prompt[: cached + 1])
-            time.sleep(WRITE_WAIT_S)
-            server.flush()
-            hit = server.generate(prompt)
+            for attempt in range(3):  # a hit that found fewer pages (their write still behind) is redone
+                prompt = fresh()
+                server.generate(prompt[: cached + 1])
+                time.sleep(WRITE_WAIT_S * (attempt + 1))
+                server.flush()
+                hit = server.generate(prompt)
+                if storage_tokens(hit) == cached:
+                    break
+                short += 1
             ts["hit"].append(_ttft(hit))
             stored.append(storage_tokens(hit))
             ts["device_hit"].append(_ttft(server.generate(prompt)))
@@ -84,7 +89,7 @@ def _one_backend(server: SGLangServer, rng: random.Random, tokens: int, cached: 
         time.sleep(WRITE_WAIT_S)
         server.flush()
         loaded = server.generate(check, max_new_tokens=16)
-        return {"ttft": {k: _stats(v) for k, v in ts.items()}, "storage_tokens": stored,
+        return {"ttft": {k: _stats(v) for k, v in ts.items()}, "storage_tokens": stored, "short_hits_redone": short,
                 "check_storage_tokens": storage_tokens(loaded), "check_recomputed": cold,
                 "check_loaded": loaded["output_ids"], "_medians": {k: _median(v) for k, v in ts.items()}}
     finally:
@@ -217,18 +222,21 @@ def prefix_ttft(tokens: int = 2048, cached: int = 1920, trials: int = 5, threads
         disk = raw_disk_gbps(root, stored_bytes)
         in_process = backend_loads(model, root, cached, trials)
     k, f = out["kvport"]["_medians"], out["file"]["_medians"]
-    kv_load_s = max(k["hit"] - k["device_hit"], 1e-9)
+    loaded_both = out["kvport"]["check_storage_tokens"] > 0 and out["file"]["check_storage_tokens"] > 0
     results: dict[str, Any] = {
         "ttft_speedup": round(k["recompute"] / k["hit"], 3),
         "ttft_vs_file_backend": round(k["hit"] / f["hit"], 3),
-        "tokens_equal": out["kvport"]["check_loaded"] == out["kvport"]["check_recomputed"]
+        # the same 16 tokens recomputed and loaded from each backend (a check that loaded nothing fails)
+        "tokens_equal": loaded_both and out["kvport"]["check_loaded"] == out["kvport"]["check_recomputed"]
         == out["file"]["check_loaded"] == out["file"]["check_recomputed"],
+        "all_hits_full": all(n == cached for r in out.values() for n in r["storage_tokens"]),
         "ttft_speedup_file_backend": round(f["recompute"] / f["hit"], 3),
         "ttft_speedup_device_hit": round(k["recompute"] / k["device_hit"], 3),
         "hit_over_device_hit": round(k["hit"] / k["device_hit"], 3),
-        "kvport_load_s": round(kv_load_s, 4),
-        "file_load_s": round(max(f["hit"] - f["device_hit"], 0.0), 4),
-        "kvport_load_gbps": round(stored_bytes / kv_load_s / 1e9, 3),
+        # hit minus device hit: the L3 load, SGLang's prefetch machinery and the suffix's prefill beyond
+        # the device hit's one token (an upper bound on the load; the backends' own: backend_only)
+        "hit_minus_device_hit_s": {"kvport": round(k["hit"] - k["device_hit"], 4),
+                                   "file": round(f["hit"] - f["device_hit"], 4)},
         "raw_disk_read_gbps": round(disk["read_gbps"], 3),
         "backend_only": in_process,
         "bytes_in_tier": stored_bytes,

@@ -1,13 +1,13 @@
 """SGLang's host KV pool (HiCache's L2) seen page by page in kvport's stored block format.
 
-A stored block is one SGLang page in the *paged block* format every vLLM layout also reads and
-writes (:mod:`kvport.engines.vllm.paged`, ``Layout.VLLM_CPU``): layer-major, each layer's slab
-``(H, 2, P, D)`` (per KV head the page's K rows, then its V rows), or ``(P, D)`` for an MLA latent
-cache. Every host layout converts to that one format on save and from it on load, so a page saved by
-an engine with one ``--hicache-mem-layout`` loads into an engine with another, and no bytes are ever
-read in a layout they were not written in. The host pool's layouts (S tokens, L layers, H KV heads
-of this rank, D head size, P tokens per page) and the strided view of all its pages as
-``(S/P, L, H, 2, P, D)`` (MLA: ``(S/P, L, P, D)``), a view of the same memory, no copy:
+A stored block is one SGLang page, layer-major, each layer's slab ``(2, P, H, D)``: the page's K
+``[tokens, heads, dim]``, then its V (``Layout.VLLM_NHD`` in the envelope; SGLang's own token-major
+order, so the copies from and to the usual host layouts move long runs), or ``(P, D)`` for an MLA
+latent cache. Every host layout converts to that one format on save and from it on load, so a page
+saved by an engine with one ``--hicache-mem-layout`` loads into an engine with another, and no bytes
+are ever read in a layout they were not written in. The host pool's layouts (S tokens, L layers, H
+KV heads of this rank, D head size, P tokens per page) and the strided view of all its pages as
+``(S/P, L, 2, P, H, D)`` (MLA: ``(S/P, L, P, D)``), a view of the same memory, no copy:
 
 =====================  ===========================  ===========================
 ``--hicache-mem-layout``  MHA ``kv_buffer``         MLA ``kv_buffer``
@@ -18,8 +18,9 @@ of this rank, D head size, P tokens per page) and the strided view of all its pa
 ``page_head``          (2, S/P, H, P, L, D)         --
 =====================  ===========================  ===========================
 
-Copies are one ``copy_`` per page between that view and a contiguous block (the page's strided
-runs are D elements long); no per-token Python work.
+Copies are one ``copy_`` per page between that view and a contiguous block (contiguous runs of a
+whole layer's ``P x H x D`` for ``layer_first`` and ``page_first_direct``, ``H x D`` for
+``page_first``, ``D`` for ``page_head``); no per-token Python work.
 """
 
 from __future__ import annotations
@@ -40,14 +41,14 @@ def _mha_pages(buf: torch.Tensor, layout: str, size: int, page: int) -> torch.Te
     n = size // page
     if layout == "layer_first":  # (2, L, S, H, D)
         _, L, _, H, D = buf.shape
-        return buf.view(2, L, n, page, H, D).permute(2, 1, 4, 0, 3, 5)
+        return buf.view(2, L, n, page, H, D).permute(2, 1, 0, 3, 4, 5)
     if layout == "page_first":  # (2, S, L, H, D)
         _, _, L, H, D = buf.shape
-        return buf.view(2, n, page, L, H, D).permute(1, 3, 4, 0, 2, 5)
+        return buf.view(2, n, page, L, H, D).permute(1, 3, 0, 2, 4, 5)
     if layout == "page_first_direct":  # (2, S/P, L, P, H, D)
-        return buf.permute(1, 2, 4, 0, 3, 5)
+        return buf.permute(1, 2, 0, 3, 4, 5)
     if layout == "page_head":  # (2, S/P, H, P, L, D)
-        return buf.permute(1, 4, 2, 0, 3, 5)
+        return buf.permute(1, 4, 0, 3, 2, 5)
     raise EngineError(f"SGLang host layout {layout!r} has no kvport page view (known: {', '.join(LAYOUTS)})")
 
 
@@ -107,10 +108,11 @@ class HostPages:
         idx = host_indices.reshape(-1)
         if idx.numel() != count * self.page:
             raise EngineError(f"{idx.numel()} host indices for {count} pages of {self.page}")
-        rows = idx.view(count, self.page).to(torch.int64)
-        first, last = rows[:, 0], rows[:, -1]
-        if bool(((first % self.page) != 0).any()) or bool(((last - first) != self.page - 1).any()) \
-                or bool((first < 0).any()) or bool((last >= self.size).any()):
+        rows = idx.reshape(count, self.page).to(torch.int64)
+        first = rows[:, 0]
+        whole = torch.equal(rows, first[:, None] + torch.arange(self.page, dtype=torch.int64))
+        if not whole or bool(((first % self.page) != 0).any()) or bool((first < 0).any()) \
+                or bool((first + self.page > self.size).any()):
             raise EngineError("host indices are not whole pages of the host pool")
         return [int(p) for p in (first // self.page).tolist()]
 
@@ -127,12 +129,12 @@ class HostPages:
             if self.layout == "page_first":
                 return (P, L, D), (1, 0, 2)
             return (L, P, D), (0, 1, 2)
-        L, H, _, P, D = shape
+        L, _, P, H, D = shape  # a block: (L, 2, P, H, D)
         if self.layout == "page_first":
-            return (2, P, L, H, D), (2, 3, 0, 1, 4)
+            return (2, P, L, H, D), (1, 2, 0, 3, 4)
         if self.layout == "page_head":
-            return (2, H, P, L, D), (2, 1, 3, 0, 4)
-        return (2, L, P, H, D), (2, 0, 3, 1, 4)
+            return (2, H, P, L, D), (1, 3, 2, 0, 4)
+        return (2, L, P, H, D), (1, 0, 2, 3, 4)
 
     def block_from_flat(self, value: torch.Tensor, payload: memoryview) -> None:
         """A flat page SGLang hands over (``batch_set``) into a block's payload."""

@@ -62,7 +62,7 @@ from kvport.engines.vllm.store import open_connector_store
 from kvport.errors import CodecError, EngineError, KVPortError
 from kvport.keys import KeyContext
 from kvport.planner import Planner, Profile
-from kvport.spec import KVSpec
+from kvport.spec import KVSpec, Layout
 
 from .pages import HostPages
 
@@ -102,24 +102,29 @@ class KVPortStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no ty
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
         extra = dict(storage_config.extra_config or {})
+        model = extra.pop("kvport_model_dir", None) or storage_config.model_name
         self.cfg = ConnectorConfig.from_extra_config(extra)
         self.storage_config = storage_config
         self.tp_rank, self.tp_size = int(storage_config.tp_rank), int(storage_config.tp_size)
         self.mla = bool(storage_config.is_mla_model)
-        if int(getattr(storage_config, "pp_size", 1)) > 1 or int(getattr(storage_config, "attn_cp_size", 1)) > 1:
-            raise EngineError("kvport's SGLang backend keys pages by TP rank only: pipeline and attention "
-                              "context parallelism are not supported")
-        model = storage_config.model_name
-        if not model or not Path(model).is_dir():
+        if any(int(getattr(storage_config, f, 1) or 1) > 1 for f in ("pp_size", "attn_cp_size", "dcp_size")):
+            raise EngineError("kvport's SGLang backend keys pages by TP rank only: pipeline, attention context "
+                              "and decode context parallelism (pages split across those ranks) are not supported")
+        if self.mla and self.tp_size > 1 and self.cfg.host_capacity_bytes > 0:
+            raise EngineError("MLA pages are written by TP rank 0 only: a host-RAM tier would keep them from the "
+                              "other ranks; use kvport_disk_dir, kvport_server or kvport_redis alone")
+        if not model or not Path(str(model)).is_dir():
             raise EngineError(f"kvport's SGLang backend needs the model as a local folder, got {model!r} "
-                              "(its config and weights name the KV that pages are keyed by)")
-        self.model_dir = Path(model)
+                              "(its config and weights name the KV that pages are keyed by): serve a local "
+                              "folder, or name it with kvport_model_dir in the extra config")
+        self.model_dir = Path(str(model))
         self.planner = None if self.cfg.profile_path is None else Planner(Profile.load(self.cfg.profile_path))
         self.spec: KVSpec | None = None
         self.opened: OpenedStore | None = None
         self.pages: HostPages | None = None
         self._root = b""
         self._read_bps: float | None = None
+        self._stats_lock = threading.Lock()
         self.stats = {"hit": 0, "miss": 0, "loaded": 0, "stored": 0, "refused": 0, "failed": 0, "declined": 0}
 
     # ------------------------------------------------------------------ set-up
@@ -127,10 +132,14 @@ class KVPortStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no ty
         """SGLang hands over its host pool once it exists: the spec is checked against it, the store opened."""
         super().register_mem_pool_host(mem_pool_host)
         dtype = _dtype_name(mem_pool_host.dtype)
+        if int(getattr(mem_pool_host, "layer_num", 0)) != int(getattr(mem_pool_host, "target_layer_num",
+                                                                     getattr(mem_pool_host, "layer_num", 0))):
+            raise EngineError("the host pool holds speculative decoding's draft layers beside the model's: "
+                              "kvport's SGLang backend keys the model's layers only (not supported)")
         # a latent cache is replicated on every rank: its pages are the same on each (keyed at width 1)
         rank, width = (0, 1) if self.mla else (self.tp_rank, self.tp_size)
         spec = engine_spec(str(self.model_dir), dtype=dtype, block_size=int(mem_pool_host.page_size),
-                           tp_size=width, tp_rank=rank, revision=self.cfg.model_revision)
+                           tp_size=width, tp_rank=rank, revision=self.cfg.model_revision, layout=Layout.VLLM_NHD)
         self.pages = HostPages(mem_pool_host, spec, mla=self.mla)
         self.spec = spec
         self.format = block_format(spec)
@@ -149,16 +158,21 @@ class KVPortStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no ty
             raise EngineError("kvport's SGLang backend has no host pool yet (register_mem_pool_host)")
         return self.opened.store
 
+    def _ready(self) -> tuple[KVSpec, HostPages]:
+        if self.spec is None or self.pages is None or self.opened is None:
+            raise EngineError("kvport's SGLang backend was never given SGLang's host pool (register_mem_pool_host)")
+        return self.spec, self.pages
+
     def keys_of(self, names: Sequence[str]) -> list[bytes]:
         """kvport's key of each SGLang page name (EngineError for a name that is no page hash)."""
         out = []
         for name in names:
             if not isinstance(name, str) or not name or len(name) > MAX_KEY_CHARS:
                 raise EngineError(f"page name {str(name)[:80]!r} is not an SGLang page hash")
-            try:
-                raw = bytes.fromhex(name) if len(name) % 2 == 0 else name.encode()
+            try:  # tagged: a hex name and a text name never hash alike
+                raw = b"h" + bytes.fromhex(name)
             except ValueError:
-                raw = name.encode()
+                raw = b"s" + name.encode()
             out.append(xxhash.xxh3_128_digest(self._root + raw))
         return out
 
@@ -184,7 +198,8 @@ class KVPortStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no ty
 
     def _count(self, op: str, n: int) -> None:
         if n:
-            self.stats[op] += n
+            with self._stats_lock:
+                self.stats[op] += n
             _PAGES.labels(op=op).inc(n)
 
     # ------------------------------------------------------------------ exists
@@ -195,9 +210,11 @@ class KVPortStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no ty
     def _batch_exists(self, names: list[str], extra_info: HiCacheStorageExtraInfo | None) -> int:
         if not names:
             return 0
-        spec = self.spec
-        assert spec is not None
-        hits = int(self.store.lookup(self.keys_of(names)).prefix_blocks)
+        spec, _ = self._ready()
+        # a query waits on the store (and a shared tier) at most the load deadline's minimum: SGLang's
+        # prefetch thread, and through its all-reduce every TP rank, waits on this answer
+        hits = int(self.store.lookup(self.keys_of(names),
+                                     deadline=self.cfg.load_deadline.for_expected(0.0)).prefix_blocks)
         self._count("hit", hits)
         self._count("miss", len(names) - hits)
         if hits and self.planner is not None:
@@ -220,21 +237,28 @@ class KVPortStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no ty
         return ok + [False] * (len(keys) - len(ok))
 
     def _deadline(self, n: int) -> Deadline:
+        """One call's deadline: the policy's factor x what the observed read speed predicts for ``n`` pages."""
         bps = self._read_bps
         return self.cfg.load_deadline.for_expected(None if bps is None else n * self.format.value_bytes / bps)
 
     def _batch_get(self, names: list[str], host_indices: torch.Tensor) -> list[bool]:
-        pages = self.pages
-        assert pages is not None
+        _, pages = self._ready()
         keys = self.keys_of(names)
         page_ids = pages.page_ids(host_indices, len(keys))
+        deadline = self._deadline(len(keys))
         done: list[bool] = []
         slots = self._get_slots
         with slots.lock:
             for at in range(0, len(keys), slots.capacity):
                 chunk = keys[at : at + slots.capacity]
-                good = self._read(chunk, slots)
-                pages.scatter(page_ids[at : at + good], slots.payloads[:good])
+                try:
+                    good = self._read(chunk, slots, deadline)
+                    pages.scatter(page_ids[at : at + good], slots.payloads[:good])
+                except Exception as exc:
+                    _ERRORS.labels(call="batch_get_v1").inc()
+                    log.warning("kvport SGLang storage: load of %d pages failed (%s: %s); SGLang recomputes "
+                                "from page %d", len(chunk), type(exc).__name__, exc, at)
+                    good = 0
                 done += [True] * good
                 self._count("loaded", good)
                 if good < len(chunk):
@@ -242,12 +266,12 @@ class KVPortStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no ty
                     break
         return done
 
-    def _read(self, keys: list[bytes], slots: _Slots) -> int:
+    def _read(self, keys: list[bytes], slots: _Slots, deadline: Deadline | None = None) -> int:
         """Read ``keys`` into the slots; how many leading ones arrived whole and passed their envelope."""
         want = self.format.value_bytes
         items = [(k, slots.values[j]) for j, k in enumerate(keys)]
         t0 = time.perf_counter()
-        got = self.store.get_many_into(items, deadline=self._deadline(len(keys)))
+        got = self.store.get_many_into(items, deadline=deadline or self._deadline(len(keys)))
         dt = time.perf_counter() - t0
         if dt > 0 and all(n == want for n in got):
             bps = len(keys) * want / dt
@@ -278,8 +302,7 @@ class KVPortStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no ty
 
     def _batch_set(self, names: list[str], host_indices: torch.Tensor,
                    extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
-        pages = self.pages
-        assert pages is not None
+        _, pages = self._ready()
         keys = self.keys_of(names)
         page_ids = pages.page_ids(host_indices, len(keys))
         parent = self._parent(extra_info)
@@ -309,8 +332,7 @@ class KVPortStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no ty
         return self._guard("batch_get", [None] * len(keys), lambda: self._batch_get_flat(keys, target_locations))
 
     def _batch_get_flat(self, names: list[str], targets: Any) -> list[torch.Tensor | None]:
-        pages = self.pages
-        assert pages is not None
+        _, pages = self._ready()
         out: list[torch.Tensor | None] = [None] * len(names)
         if targets is None or len(targets) != len(names):
             raise EngineError("batch_get needs one target tensor per key")
@@ -337,8 +359,7 @@ class KVPortStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no ty
         return self._guard("batch_set", False, lambda: self._batch_set_flat(keys, values))
 
     def _batch_set_flat(self, names: list[str], values: Any) -> bool:
-        pages = self.pages
-        assert pages is not None
+        _, pages = self._ready()
         if values is None or len(values) != len(names):
             raise EngineError("batch_set needs one value per key")
         keys = self.keys_of(names)
@@ -355,15 +376,21 @@ class KVPortStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no ty
 
     # ------------------------------------------------------------------ the rest of HiCacheStorage
     def clear(self) -> None:
-        """SGLang's ``/clear_hicache_storage_backend``: drops this engine's pages from every tier it can
-        delete from (a shared tier keeps what other engines wrote)."""
+        """SGLang's ``/clear_hicache_storage_backend``: drops the pages held only in this engine's own
+        tiers (host RAM, a disk folder not shared); what sits in a shared tier (a shared folder, Redis,
+        the kvport server) stays: other engines, vLLM's among them, read it."""
         def run() -> None:
-            for key in self.store.blocks():
-                self.store.delete(key)
+            store = self.store
+            own = {name for name, tier in store.tiers.items() if not tier.caps.shared}
+            for key in store.blocks():
+                if set(store.where(key)) <= own:
+                    store.delete(key)
         self._guard("clear", None, run)
 
-    def get_stats(self) -> dict[str, int]:
-        return dict(self.stats)
+    def get_stats(self) -> None:
+        """SGLang's storage metrics (``--enable-storage-metrics``) expect its own ``StorageMetrics``;
+        kvport's counters are its Prometheus metrics and :attr:`stats`."""
+        return None
 
     def close(self) -> None:
         if self.opened is not None:

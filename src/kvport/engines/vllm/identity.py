@@ -43,17 +43,18 @@ def weights_fingerprint(model_dir: Path) -> str:
 
 
 def engine_spec(model: str, *, dtype: str, block_size: int, tp_size: int = 1, tp_rank: int = 0,
-                revision: str = "") -> KVSpec:
+                revision: str = "", layout: Layout = Layout.VLLM_CPU) -> KVSpec:
     """The spec of rank ``tp_rank`` of a vLLM engine serving ``model`` (a local folder) at tensor
     parallel width ``tp_size`` (the KV heads it holds: ``KVSpec.head_range``); ``Layout.VLLM_CPU``
     names the stored paged block format every engine layout reads and writes (:mod:`.paged`), not
-    the engine's own. A width the model's KV heads cannot be split over is refused here."""
+    the engine's own (SGLang's HiCache backend stores ``Layout.VLLM_NHD`` blocks). A width the model's KV
+    heads cannot be split over is refused here."""
     model_dir = Path(model)
     if not model_dir.is_dir():
         raise EngineError(f"KVPortConnector needs a local model folder, got {model!r} "
                           "(a hub id has no stable local identity to key KV by)")
     try:
-        spec = from_hf_config(model_dir, dtype=dtype, block_size=block_size, layout=Layout.VLLM_CPU)
+        spec = from_hf_config(model_dir, dtype=dtype, block_size=block_size, layout=layout)
         spec = spec.for_rank(tp_rank, tp_size)
     except KVPortError as exc:
         raise EngineError(f"cannot derive the KV spec of {model_dir} (rank {tp_rank} of tp_size {tp_size}): "

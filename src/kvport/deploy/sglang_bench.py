@@ -125,9 +125,9 @@ def mha_host_pool(spec: KVSpec, layout: str, tokens: int) -> Any:
 def backend_loads(model: Path, root: Path, cached: int, trials: int) -> dict[str, Any]:
     """The two backends' own load of ``cached`` tokens, in this process, through SGLang's calls and its
     real host pool: kvport's ``batch_get_v1`` (disk tier: read, envelope check, copy into the pool) and
-    the file backend's ``batch_get`` + ``set_from_flat_data_page`` (SGLang's generic path: read into a
-    flat page, copy into the pool; nothing checked). Both read what the page cache holds, as in the
-    servers. With memcpy of the same bytes, measured here."""
+    the file backend's ``batch_get`` + ``set_from_flat_data_page`` as SGLang's generic path makes them
+    (a fresh flat page per page, read into, copied into the pool; nothing checked). Both read what the
+    page cache holds, as in the servers. With memcpy of the same bytes, measured here."""
     import torch
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -159,13 +159,15 @@ def backend_loads(model: Path, root: Path, cached: int, trials: int) -> dict[str
         fb = HiCacheFile(cfg({"file_storage_path": str(root / "inproc-file")}))
         fb.register_mem_pool_host(pool)
         fb.batch_set(names, [pool.get_data_page(i * PAGE) for i in range(pages)])
-        flat = [pool.get_dummy_flat_data_page() for _ in names]
         ts: dict[str, list[float]] = {"kvport": [], "file": []}
         for _ in range(trials):
             t0 = time.perf_counter()
             ok = kv.batch_get_v1(names, dst)
             ts["kvport"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
+            # as SGLang's generic path calls a backend without the zero-copy calls (cache_controller's
+            # _generic_page_get): a fresh flat page per page, read into, then copied into the pool
+            flat = [pool.get_dummy_flat_data_page() for _ in names]
             got = fb.batch_get(names, flat)
             for i, page in enumerate(got):
                 pool.set_from_flat_data_page(int(dst[i * PAGE]), page)

@@ -58,8 +58,8 @@ from kvport.deadline import Deadline
 from kvport.engines.vllm.config import ConnectorConfig
 from kvport.engines.vllm.gate import gate
 from kvport.engines.vllm.identity import engine_spec
-from kvport.engines.vllm.store import open_connector_store
-from kvport.errors import CodecError, EngineError, KVPortError
+from kvport.engines.vllm.store import open_connector_store, read_checked
+from kvport.errors import EngineError, KVPortError
 from kvport.keys import KeyContext
 from kvport.planner import Planner, Profile
 from kvport.spec import KVSpec, Layout
@@ -268,30 +268,13 @@ class KVPortStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no ty
 
     def _read(self, keys: list[bytes], slots: _Slots, deadline: Deadline | None = None) -> int:
         """Read ``keys`` into the slots; how many leading ones arrived whole and passed their envelope."""
-        want = self.format.value_bytes
-        items = [(k, slots.values[j]) for j, k in enumerate(keys)]
-        t0 = time.perf_counter()
-        got = self.store.get_many_into(items, deadline=deadline or self._deadline(len(keys)))
-        dt = time.perf_counter() - t0
-        if dt > 0 and all(n == want for n in got):
-            bps = len(keys) * want / dt
+        r = read_checked(self.store, self.format, keys, slots.values[: len(keys)],
+                         deadline=deadline or self._deadline(len(keys)), engine="SGLang")
+        if r.whole and r.seconds > 0:
+            bps = r.good * self.format.value_bytes / r.seconds
             self._read_bps = bps if self._read_bps is None else 0.7 * self._read_bps + 0.3 * bps
-        for j, n in enumerate(got):
-            if n != want:
-                log.warning("kvport SGLang storage: page %s %s; SGLang recomputes from there", keys[j].hex(),
-                            "missing or past the deadline" if n is None else f"is {n} bytes, not {want}")
-                if n is not None:
-                    self.store.delete(keys[j])
-                return j
-            try:
-                self.format.open(slots.values[j], keys[j])
-            except CodecError as exc:
-                log.warning("kvport SGLang storage: page %s refused (%s: %s); deleted, SGLang recomputes",
-                            keys[j].hex(), type(exc).__name__, exc)
-                self._count("refused", 1)
-                self.store.delete(keys[j])
-                return j
-        return len(keys)
+        self._count("refused", r.refused)
+        return r.good
 
     # ------------------------------------------------------------------ set
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,

@@ -1,17 +1,27 @@
 """The store an engine's kvport adapter opens from its ``kvport_*`` keys (:class:`.config.ConnectorConfig`):
-vLLM's connector and SGLang's HiCache backend (:mod:`kvport.engines.sglang`) open theirs here, alike.
-No vLLM import."""
+vLLM's connector and SGLang's HiCache backend (:mod:`kvport.engines.sglang`) open theirs here, alike,
+and read blocks back through :func:`read_checked`, the one check before a block reaches an engine's
+KV. No vLLM import."""
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from kvport.client.conn import ClientConfig
 from kvport.client.port import OpenedStore, StoreConfig, open_port
-from kvport.codec.envelope import stored_bytes
+from kvport.codec.envelope import BlockFormat, stored_bytes
 from kvport.config import Settings
+from kvport.deadline import Deadline
+from kvport.errors import CodecError
 from kvport.spec import KVSpec
-from kvport.store import WriteMode
+from kvport.store import TieredStore, WriteMode
 
 from .config import ConnectorConfig
+
+log = logging.getLogger(__name__)
 
 
 def open_connector_store(cfg: ConnectorConfig, spec: KVSpec) -> OpenedStore:
@@ -38,3 +48,39 @@ def open_connector_store(cfg: ConnectorConfig, spec: KVSpec) -> OpenedStore:
         write_behind=redis_write if write is WriteMode.BEHIND else (),
         write_through=redis_write if write is WriteMode.THROUGH else (),
         server_write=write if server is not None and (lower or cfg.redis_url is not None) else None))
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedRead:
+    good: int  # leading blocks that arrived whole and passed their envelope
+    refused: int  # 1 when the block after them failed its envelope (deleted), else 0
+    seconds: float  # the read's wall time
+    whole: bool  # every block arrived at its full size (the read speed is meaningful)
+
+
+def read_checked(store: TieredStore, fmt: BlockFormat, keys: Sequence[bytes], values: Sequence[memoryview], *,
+                 deadline: Deadline | None, engine: str) -> CheckedRead:
+    """Read ``keys`` into ``values`` (whole stored values, envelope included) with one batched store
+    call, then open each envelope: how many leading blocks an engine may use. A block of the wrong
+    size, or one its envelope refuses (damage, another key's value, another spec), is deleted (no
+    reader of this spec can use it) and ends the run there; a missing one ends it too. Store errors
+    (``TierError``, ``DeadlineExceeded``) propagate: the caller turns them into misses."""
+    want = fmt.value_bytes
+    t0 = time.perf_counter()
+    got = store.get_many_into(list(zip(keys, values, strict=True)), deadline=deadline)
+    dt = time.perf_counter() - t0
+    for j, n in enumerate(got):
+        if n != want:
+            why = "missing, corrupt or past the deadline" if n is None else f"{n} bytes, a stored block is {want}"
+            log.warning("kvport: block %s %s; %s recomputes from there", keys[j].hex(), why, engine)
+            if n is not None:  # a value no reader of this spec can use (an old block, a truncated one)
+                store.delete(keys[j])
+            return CheckedRead(j, 0, dt, False)
+        try:
+            fmt.open(values[j], keys[j])
+        except CodecError as exc:
+            log.warning("kvport: block %s refused (%s: %s); deleted, %s recomputes from there",
+                        keys[j].hex(), type(exc).__name__, exc, engine)
+            store.delete(keys[j])
+            return CheckedRead(j, 1, dt, True)
+    return CheckedRead(len(keys), 0, dt, True)

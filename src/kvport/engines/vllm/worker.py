@@ -44,13 +44,14 @@ import numpy as np
 from kvport import metrics
 from kvport.codec.envelope import block_format
 from kvport.deadline import Deadline, DeadlinePolicy
-from kvport.errors import CodecError, DeadlineExceeded, KVPortError, TierError
+from kvport.errors import DeadlineExceeded, KVPortError, TierError
 from kvport.keys import BlockKey
 from kvport.spec import KVSpec
 from kvport.store import TieredStore
 
 from .paged import PagedKV, StagingSlots
 from .plan import BlockCopy
+from .store import read_checked
 from .stream import Inbox
 
 log = logging.getLogger(__name__)
@@ -113,38 +114,22 @@ class BlockMover:
         """Read consecutive blocks into slots slot0.. (one batched tier call: a DiskTier reads adjacent
         entries of a slab with one ``preadv``); returns how many leading blocks arrived intact (none
         past ``deadline``) and passed their envelope check."""
-        want = self.format.value_bytes
-        items = [(key, self.staging.slot_view(slot0 + j)) for j, key in enumerate(keys)]
-        t0 = time.perf_counter()
+        views = [self.staging.slot_view(slot0 + j) for j in range(len(keys))]
         try:
-            got = self.store.get_many_into(items, deadline=deadline)
+            r = read_checked(self.store, self.format, keys, views, deadline=deadline, engine="vLLM")
         except TierError as exc:
             log.warning("kvport: load of %d blocks failed (%s); vLLM recomputes them", len(keys), exc)
             return 0
         except DeadlineExceeded as exc:
             log.warning("kvport: load of %d blocks past its deadline (%s); vLLM recomputes them", len(keys), exc)
             return 0
-        dt = time.perf_counter() - t0
-        if dt > 0 and all(n == want for n in got):
-            bps = len(keys) * want / dt
+        if r.whole and r.seconds > 0:
+            bps = r.good * self.format.value_bytes / r.seconds
             self._read_bps = bps if self._read_bps is None else 0.7 * self._read_bps + 0.3 * bps
-        for j, n in enumerate(got):
-            if n != want:
-                why = "missing, corrupt or past the deadline" if n is None else f"{n} bytes, a stored block is {want}"
-                log.warning("kvport: block %s %s; vLLM recomputes from there", keys[j].hex(), why)
-                if n is not None:  # a value no reader of this spec can use (an old block, a truncated one)
-                    self.store.delete(keys[j])
-                return j
-            try:
-                self.format.open(self.staging.slot_view(slot0 + j), keys[j])
-            except CodecError as exc:
-                log.warning("kvport: block %s refused (%s: %s); deleted, vLLM recomputes from there",
-                            keys[j].hex(), type(exc).__name__, exc)
-                self.stats.blocks_refused += 1
-                _BLOCKS.labels(op="refused").inc()
-                self.store.delete(keys[j])
-                return j
-        return len(keys)
+        if r.refused:
+            self.stats.blocks_refused += 1
+            _BLOCKS.labels(op="refused").inc()
+        return r.good
 
     def deadline_for(self, nblocks: int) -> Deadline:
         """The deadline of a load of ``nblocks``: the policy's factor x what this worker's observed read

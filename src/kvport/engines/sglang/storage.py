@@ -243,8 +243,15 @@ class KVPortStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no ty
 
     def _batch_get(self, names: list[str], host_indices: torch.Tensor) -> list[bool]:
         _, pages = self._ready()
+        page_ids = pages.page_ids(host_indices, len(names))
+        return self._load(names, "batch_get_v1", lambda at, payloads: pages.scatter(
+            page_ids[at : at + len(payloads)], payloads))
+
+    def _load(self, names: list[str], call: str, place: Callable[[int, Sequence[memoryview]], None]) -> list[bool]:
+        """Read the pages of ``names`` chunk by chunk into the staging slots, all under one deadline, and
+        hand each chunk's leading checked payloads to ``place(first page, payloads)``; True for each
+        leading page placed. An error in a chunk ends the run there: pages placed before it stand."""
         keys = self.keys_of(names)
-        page_ids = pages.page_ids(host_indices, len(keys))
         deadline = self._deadline(len(keys))
         done: list[bool] = []
         slots = self._get_slots
@@ -253,11 +260,11 @@ class KVPortStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no ty
                 chunk = keys[at : at + slots.capacity]
                 try:
                     good = self._read(chunk, slots, deadline)
-                    pages.scatter(page_ids[at : at + good], slots.payloads[:good])
-                except Exception as exc:
-                    _ERRORS.labels(call="batch_get_v1").inc()
-                    log.warning("kvport SGLang storage: load of %d pages failed (%s: %s); SGLang recomputes "
-                                "from page %d", len(chunk), type(exc).__name__, exc, at)
+                    place(at, slots.payloads[:good])
+                except Exception as exc:  # pages placed before this chunk stand
+                    _ERRORS.labels(call=call).inc()
+                    log.warning("kvport SGLang storage: %s of %d pages failed (%s: %s); SGLang recomputes "
+                                "from page %d", call, len(chunk), type(exc).__name__, exc, at)
                     good = 0
                 done += [True] * good
                 self._count("loaded", good)
@@ -266,10 +273,10 @@ class KVPortStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no ty
                     break
         return done
 
-    def _read(self, keys: list[bytes], slots: _Slots, deadline: Deadline | None = None) -> int:
+    def _read(self, keys: list[bytes], slots: _Slots, deadline: Deadline) -> int:
         """Read ``keys`` into the slots; how many leading ones arrived whole and passed their envelope."""
-        r = read_checked(self.store, self.format, keys, slots.values[: len(keys)],
-                         deadline=deadline or self._deadline(len(keys)), engine="SGLang")
+        r = read_checked(self.store, self.format, keys, slots.values[: len(keys)], deadline=deadline,
+                         engine="SGLang")
         if r.whole and r.seconds > 0:
             bps = r.good * self.format.value_bytes / r.seconds
             self._read_bps = bps if self._read_bps is None else 0.7 * self._read_bps + 0.3 * bps
@@ -286,22 +293,28 @@ class KVPortStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no ty
     def _batch_set(self, names: list[str], host_indices: torch.Tensor,
                    extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
         _, pages = self._ready()
+        page_ids = pages.page_ids(host_indices, len(names))
+        return self._save(names, self._parent(extra_info), lambda at, payloads: pages.gather(
+            page_ids[at : at + len(payloads)], payloads))
+
+    def _save(self, names: list[str], parent: bytes | None,
+              fill: Callable[[int, Sequence[memoryview]], None]) -> list[bool]:
+        """Store the pages of ``names`` chunk by chunk: ``fill(first page, payloads)`` writes a chunk's
+        payloads into the save slots, each is sealed under its key and the chunk put as one chain under
+        ``parent`` (the page before the first, if any)."""
         keys = self.keys_of(names)
-        page_ids = pages.page_ids(host_indices, len(keys))
-        parent = self._parent(extra_info)
         slots = self._set_slots
         done: list[bool] = []
         with slots.lock:
             for at in range(0, len(keys), slots.capacity):
                 chunk = keys[at : at + slots.capacity]
-                n = len(chunk)
-                pages.gather(page_ids[at : at + n], slots.payloads[:n])
+                fill(at, slots.payloads[: len(chunk)])
                 for j, key in enumerate(chunk):
                     self.format.seal(slots.values[j], key)
                 self.store.put_many([(key, slots.values[j]) for j, key in enumerate(chunk)], parent=parent)
                 parent = chunk[-1]
-                done += [True] * n
-                self._count("stored", n)
+                done += [True] * len(chunk)
+                self._count("stored", len(chunk))
         return done
 
     # ------------------------------------------------------------------ byte-copy calls (SGLang's generic path)
@@ -316,22 +329,15 @@ class KVPortStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no ty
 
     def _batch_get_flat(self, names: list[str], targets: Any) -> list[torch.Tensor | None]:
         _, pages = self._ready()
-        out: list[torch.Tensor | None] = [None] * len(names)
         if targets is None or len(targets) != len(names):
             raise EngineError("batch_get needs one target tensor per key")
-        keys = self.keys_of(names)
-        slots = self._get_slots
-        with slots.lock:
-            for at in range(0, len(keys), slots.capacity):
-                chunk = keys[at : at + slots.capacity]
-                good = self._read(chunk, slots)
-                for j in range(good):
-                    pages.flat_into(slots.payloads[j], targets[at + j])
-                    out[at + j] = targets[at + j]
-                self._count("loaded", good)
-                if good < len(chunk):
-                    break
-        return out
+
+        def place(at: int, payloads: Sequence[memoryview]) -> None:
+            for j, payload in enumerate(payloads):
+                pages.flat_into(payload, targets[at + j])
+
+        done = self._load(names, "batch_get", place)
+        return [targets[i] if i < len(done) else None for i in range(len(names))]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])
@@ -345,17 +351,12 @@ class KVPortStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no ty
         _, pages = self._ready()
         if values is None or len(values) != len(names):
             raise EngineError("batch_set needs one value per key")
-        keys = self.keys_of(names)
-        slots = self._set_slots
-        with slots.lock:
-            for at in range(0, len(keys), slots.capacity):
-                chunk = keys[at : at + slots.capacity]
-                for j, key in enumerate(chunk):
-                    pages.block_from_flat(values[at + j], slots.payloads[j])
-                    self.format.seal(slots.values[j], key)
-                self.store.put_many([(key, slots.values[j]) for j, key in enumerate(chunk)])
-                self._count("stored", len(chunk))
-        return True
+
+        def fill(at: int, payloads: Sequence[memoryview]) -> None:
+            for j, payload in enumerate(payloads):
+                pages.block_from_flat(values[at + j], payload)
+
+        return all(self._save(names, None, fill))
 
     # ------------------------------------------------------------------ the rest of HiCacheStorage
     def clear(self) -> None:

@@ -32,7 +32,8 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> list[SuiteOptions]:
     return seen
 
 
-@pytest.mark.parametrize(("suite", "valid"), [("hash", "none"), ("trace", "capacity, requests, sweep, trace")])
+@pytest.mark.parametrize(("suite", "valid"),
+                         [("hash", "none"), ("trace", "capacity, quality, requests, sweep, trace, traces")])
 def test_an_unknown_key_is_refused_naming_the_valid_ones(suite: str, valid: str, runs: list[SuiteOptions],
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", suite, "--quick", "--set", "unknown=1", "--set", "requests=2"] if suite == "trace" else

@@ -33,6 +33,7 @@ from kvport.client.remote import RemoteTier
 from kvport.errors import ConfigError
 from kvport.ledger import Ledger
 from kvport.store import TieredStore, TierPolicy, WriteMode
+from kvport.store.eviction import DEFAULT_POLICY
 from kvport.tiers.base import Tier
 
 SERVER_TIER = "shared"  # the kvport server's tier, in the store's names (tier labels of its metrics)
@@ -48,7 +49,7 @@ class StoreConfig:
     disk_refresh_s: float | None = 1.0  # a miss rescans the shared folder at most this often (one stat if unchanged)
     redis_url: str | None = None
     server: ClientConfig | None = None  # the kvport server (shared tier) at the bottom
-    eviction: str = "slru"
+    eviction: str = DEFAULT_POLICY
     write_through: tuple[str, ...] = ()  # tiers written on every put (e.g. "shared"); others get demotions
     write_behind: tuple[str, ...] = ()  # tiers written after every put, by the store's writer thread
     server_write: WriteMode | None = None  # how the server's tier gets every put (None: demotions only)

@@ -2,8 +2,8 @@
 
 Public API: :class:`TieredStore`, :class:`LookupResult`, :class:`StoreStats`, :class:`TierPolicy`,
 :class:`WriteMode`, :class:`Reserved`, :class:`ReadViews`, :class:`Lifetime`, :class:`LifetimeRule`,
-:class:`LifetimePolicy`, :class:`TierIndex` and the eviction policies (:func:`make_policy`: ``"slru"``
-default, ``"lru"``, ``"lfu"``).
+:class:`LifetimePolicy`, :class:`TierIndex` and the eviction policies (:func:`make_policy`: ``"fslru"``
+default, ``"slru"``, ``"lru"``, ``"lfu"``).
 
 Modules, the facade first, then its parts (each imports only those below it), then what they use::
 

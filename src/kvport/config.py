@@ -21,6 +21,9 @@ KVPORT_LOG_LEVEL            logging level                                       
 KVPORT_TRACE_DIR            folder of benchmark traces (``bench trace``)            <checkout>/../shared/traces
 KVPORT_LOAD_DEADLINE        a load's deadline: ``MIN_S:FACTOR:MAX_S`` -- FACTOR x   1:4:30
                             the planner's expected load time, within [MIN_S, MAX_S]
+KVPORT_<SECTION>_<KEY>      any key of a config file (``kvport serve --config``,    the file's
+                            docs/kvport.example.toml), e.g. KVPORT_SERVER_CAPACITY,
+                            KVPORT_LIMITS_MAX_VALUE: overrides the file
 ==========================  =====================================================  ===========================
 """
 
@@ -82,6 +85,19 @@ def _deadline_policy(text: str | None) -> DeadlinePolicy:
         return DeadlinePolicy(lo, factor, hi)
     except ConfigError as exc:
         raise ConfigError(f"KVPORT_LOAD_DEADLINE={text!r}: {exc}") from None
+
+
+def environ() -> dict[str, str]:
+    """A copy of this process's variables, for :func:`kvport.configfile.load_config`: its ``KVPORT_*``
+    overrides of a config file's keys (``KVPORT_`` + the key's dotted path in capitals, ``.`` as ``_``,
+    e.g. ``KVPORT_SERVER_CAPACITY``) and the variables a file names for its tokens (``auth_token_env``)."""
+    return dict(os.environ)
+
+
+def export(variables: Mapping[str, str]) -> None:
+    """Set ``variables`` in this process's environment, for the processes it starts
+    (:func:`subprocess_env` copies it): ``kvport demo --config`` hands its file's keys to its servers so."""
+    os.environ.update(variables)
 
 
 def subprocess_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -57,9 +57,18 @@ Keys (all optional except a store location: a disk folder, Redis, a kvport serve
     kvport_tenant_salt     bytes as hex, chained into every key                        ("")
     kvport_profile         a `kvport calibrate` profile: the cost planner is asked for
                            every lookup and may answer recompute (the hit is declined) (none)
+    kvport_eviction        the eviction policy of the engine's own tiers (host, disk):
+                           a name of kvport.store.eviction.POLICIES                 (the default)
     kvport_load_deadline   "MIN_S:FACTOR:MAX_S": a step's loads may take FACTOR x the
                            time the worker's observed read speed predicts, within
                            [MIN_S, MAX_S]; blocks not read by then are recomputed      ("1:4:30")
+
+    kvport_config          a kvport config file (TOML, docs/kvport.example.toml): its
+                           [tiers.*] and load_deadline give the keys above that are
+                           not given here (``KVPORT_*`` variables override the file,
+                           the keys given here override both): tiers.host.capacity,
+                           tiers.disk.path / capacity, tiers.remote.server / redis /
+                           tenant / write, eviction.policy, load_deadline           (none)
 
 Unknown ``kvport_*`` keys are an error (a typo must not silently fall back to a default);
 keys without the prefix belong to other connectors and are ignored.
@@ -72,9 +81,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvport.configfile import KVPortConfig, join_address, load_config
 from kvport.deadline import DeadlinePolicy
 from kvport.errors import ConfigError, UnitError
 from kvport.spec import KVSpec
+from kvport.store.eviction import DEFAULT_POLICY, POLICIES
 from kvport.units import parse_size
 
 from .params import parse_dest, parse_dests
@@ -87,6 +98,7 @@ _KNOWN = frozenset({
     "kvport_pd_lease_s",
     "kvport_async_handoff", "kvport_idle_spin_ms", "kvport_server_write", "kvport_pd_inbox",
     "kvport_pd_inbox_tokens", "kvport_pd_stream", "kvport_pd_inbox_names", "kvport_pd_destinations",
+    "kvport_config", "kvport_eviction",
 })
 DEFAULT_INBOX_TOKENS = 8192
 DEFAULT_DISK_CAPACITY = 8 * 1024**3
@@ -118,10 +130,16 @@ class ConnectorConfig:
     pd_stream: bool = True
     pd_inbox_names: tuple[str, ...] = ()  # decode engine: other addresses its inbox is dialled by
     pd_destinations: frozenset[str] = frozenset()  # producer: the decode inboxes it may stream to
+    eviction: str = DEFAULT_POLICY  # the engine's own tiers (kvport.store.eviction)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         cfg = dict(extra or {})
+        path = cfg.pop("kvport_config", None)
+        if path is not None:
+            if not isinstance(path, str | Path) or not str(path):
+                raise ConfigError(f"kvport_config must be the path of a kvport config file, got {path!r}")
+            cfg = {**file_keys(load_config(Path(path).expanduser(), role="engine")), **cfg}  # keys given here win
         unknown = sorted(k for k in cfg if k.startswith(_PREFIX) and k not in _KNOWN)
         if unknown:
             raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}: expected {sorted(_KNOWN)}")
@@ -199,6 +217,9 @@ class ConnectorConfig:
         profile = cfg.get("kvport_profile")
         if profile is not None and (not isinstance(profile, str | Path) or not str(profile)):
             raise ConfigError(f"kvport_profile must be a path to a calibration profile, got {profile!r}")
+        eviction = cfg.get("kvport_eviction", DEFAULT_POLICY)
+        if eviction not in POLICIES:
+            raise ConfigError(f"kvport_eviction must be one of {', '.join(POLICIES)}, got {eviction!r}")
         deadline = cfg.get("kvport_load_deadline", "1:4:30")
         try:
             lo, factor, hi = (float(x) for x in str(deadline).split(":"))
@@ -206,7 +227,7 @@ class ConnectorConfig:
         except (ValueError, ConfigError) as exc:
             raise ConfigError(f"kvport_load_deadline must be MIN_S:FACTOR:MAX_S, got {deadline!r}: {exc}") from None
         return cls(
-            load_deadline=load_deadline,
+            load_deadline=load_deadline, eviction=eviction,
             profile_path=None if profile is None else Path(profile).expanduser(),
             disk_dir=None if disk_dir is None else Path(disk_dir).expanduser(),
             server=server, redis_url=redis_url, server_tenant=tenant, server_write_behind=write == "behind",
@@ -221,6 +242,24 @@ class ConnectorConfig:
             expect_spec=None if expect is None else KVSpec.from_dict(expect),
             tenant_salt=salt,
         )
+
+
+def file_keys(kv: KVPortConfig) -> dict[str, Any]:
+    """The ``kvport_*`` keys a config file gives (only those it, or a ``KVPORT_*`` variable, sets)."""
+    t, dl = kv.tiers, kv.load_deadline
+    server = None if t.remote.server is None else join_address(t.remote.server)
+    table: dict[str, tuple[str, Any]] = {
+        "tiers.host.capacity": ("kvport_host_capacity", t.host.capacity_bytes),
+        "tiers.disk.path": ("kvport_disk_dir", str(t.disk.path)),
+        "tiers.disk.capacity": ("kvport_disk_capacity", t.disk.capacity_bytes),
+        "tiers.remote.server": ("kvport_server", server),
+        "tiers.remote.redis": ("kvport_redis", t.remote.redis),
+        "tiers.remote.tenant": ("kvport_server_tenant", t.remote.tenant),
+        "tiers.remote.write": ("kvport_server_write", t.remote.write),
+        "load_deadline": ("kvport_load_deadline", f"{dl.min_s}:{dl.factor}:{dl.max_s}"),
+        "eviction.policy": ("kvport_eviction", kv.eviction),
+    }
+    return {name: value for key, (name, value) in table.items() if kv.sets(key)}
 
 
 def _addresses(cfg: Mapping[str, Any], key: str) -> tuple[str, ...]:

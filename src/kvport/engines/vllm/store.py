@@ -41,7 +41,7 @@ def open_connector_store(cfg: ConnectorConfig, spec: KVSpec) -> OpenedStore:
     return open_port(StoreConfig(
         block_bytes=stored_bytes(spec), host_bytes=cfg.host_capacity_bytes, disk_dir=cfg.disk_dir,
         disk_bytes=cfg.disk_capacity_bytes if cfg.disk_dir is not None else 0, disk_shared=True, server=server,
-        redis_url=cfg.redis_url,
+        redis_url=cfg.redis_url, eviction=cfg.eviction,
         # a decode engine looks for a hand-off milliseconds after the prefill engine wrote it: every miss
         # may rescan (one stat of the folder when nothing changed)
         disk_refresh_s=0.0,

@@ -1,4 +1,14 @@
-"""The demo's final report: a per-turn table and a summary, as a dict (``--json``) and as rich text."""
+"""The demo's final report: a per-turn table and a summary, as a dict (``--json``) and as rich text.
+
+Bytes moved are set against the size calculator's ideal (:meth:`KVSpec.request_bytes`, as
+``kvport size`` computes it): each path's ideal is the KV of the tokens that had to take it, once::
+
+    prefill -> decode      every prompt token (the decode worker holds nothing of the session)
+    shared tier -> prefill the tokens loaded instead of computed
+    decode -> shared tier  the tokens the tier did not hold yet (prompt + answer - found)
+
+what moved adds whole-block padding, each stored block's sealed header and blocks stored again.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +18,10 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+from kvport.spec import KVSpec
+
+PATHS = ("prefill_to_decode", "loaded_from_tiers", "stored_to_shared_tier")
 
 
 @dataclass(slots=True)
@@ -24,6 +38,8 @@ class Turn:
     after_restart: bool = False
     error: str | None = None
     prompt: list[int] = field(default_factory=list)  # the kvport run's prompt
+    session: str = ""
+    history_tokens: int = 0  # the session's tokens before this turn (the baseline's)
 
     @property
     def equal(self) -> bool:
@@ -34,8 +50,25 @@ def _sum(turns: list[Turn], side: str, key: str) -> float:
     return float(sum((getattr(t, side).get(key) or 0) for t in turns))
 
 
-def summarize(turns: list[Turn], *, raw_socket_gbps: float | None, block_size: int, restarts: int,
+def _bytes(t: Turn, spec: KVSpec, sealed_block_bytes: int) -> dict[str, tuple[int, int]]:
+    """(moved, ideal) bytes of each path for one turn (see the module docstring)."""
+    p, d, bs = t.prefill, t.decode, spec.block_size
+    loaded = int(p.get("loaded_tokens") or 0)
+    answer = len(t.tokens or ())
+    new_in_tier = max(0, t.prompt_tokens + max(0, answer - 1) - int(p.get("hit_tokens") or 0))
+    return {"prefill_to_decode": (int(p.get("transfer_bytes") or 0), spec.request_bytes(t.prompt_tokens)),
+            "loaded_from_tiers": (loaded // bs * sealed_block_bytes, spec.request_bytes(loaded)),
+            "stored_to_shared_tier": (int(d.get("stored_blocks") or 0) * sealed_block_bytes,
+                                      spec.request_bytes(new_in_tier) if d else 0)}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if not a or not b else round(a / b, 2)
+
+
+def summarize(turns: list[Turn], *, spec: KVSpec, raw_socket_gbps: float | None, restarts: int,
               errors: list[str], conditions: dict[str, Any]) -> dict[str, Any]:
+    sealed = int(conditions.get("stored_bytes_per_block") or spec.bytes_per_block)
     done = [t for t in turns if t.prefill]
     later = [t for t in done if t.round > 1]
     xfer_bytes = _sum(done, "prefill", "transfer_bytes")
@@ -52,6 +85,13 @@ def summarize(turns: list[Turn], *, raw_socket_gbps: float | None, block_size: i
         vals = [t.prefill["ttft_s"] if key == "kvport" else t.baseline_ttft_s for t in ts]
         return round(sum(vals) / len(vals), 4) if vals else None
 
+    per_path = {t.rid: _bytes(t, spec, sealed) for t in done}
+    moved = {k: sum(b[k][0] for b in per_path.values()) for k in PATHS}
+    least = {k: sum(b[k][1] for b in per_path.values()) for k in PATHS}
+    moved["total"], least["total"] = sum(moved.values()), sum(least.values())
+    base2, kv2 = ttft(later, "baseline"), ttft(later, "kvport")
+    hist = [t.history_tokens for t in later]
+
     return {
         "conditions": conditions,
         "turns": len(turns),
@@ -62,14 +102,16 @@ def summarize(turns: list[Turn], *, raw_socket_gbps: float | None, block_size: i
         "hit_rate_tokens_after_round_1": round(_sum(later, "prefill", "hit_tokens")
                                                / max(1.0, _sum(later, "prefill", "prompt_tokens")), 4),
         "hit_blocks_by_tier": dict(tiers),
+        "ttft_round2plus_s": {"baseline_recompute": base2, "kvport": kv2},
+        "ttft_round2plus_speedup": _ratio(base2, kv2),
+        "history_tokens_round2plus": {"min": min(hist, default=0), "max": max(hist, default=0),
+                                      "mean": round(sum(hist) / len(hist)) if hist else 0},
         "mean_ttft_s": {"baseline_no_reuse": ttft(done, "baseline"), "kvport": ttft(done, "kvport"),
                         "baseline_no_reuse_after_round_1": ttft(later, "baseline"),
                         "kvport_after_round_1": ttft(later, "kvport")},
-        "bytes_moved": {"prefill_to_decode": int(xfer_bytes),
-                        "loaded_from_tiers": int(_sum(done, "prefill", "loaded_tokens"))
-                        * int(conditions.get("bytes_per_token", 0)),
-                        "stored_to_shared_tier": int(_sum(done, "decode", "stored_blocks"))
-                        * int(conditions.get("bytes_per_block", 0))},
+        "bytes_moved": moved,
+        "bytes_ideal": least,  # the size calculator's KV bytes of the tokens that had to move, per path
+        "bytes_moved_vs_ideal": {k: _ratio(moved[k], least[k]) for k in moved},
         "transfer": {"busy_s": round(busy, 4), "credit_wait_s": round(waited, 4), "sending_s": round(sending, 4),
                      "ideal_s": None if ideal is None else round(ideal, 4),
                      "sending_vs_ideal": None if not ideal or not sending else round(sending / ideal, 2),
@@ -92,11 +134,17 @@ def summarize(turns: list[Turn], *, raw_socket_gbps: float | None, block_size: i
                           "hit_tokens": int(sum(t.prefill.get("hit_tokens", 0) for t in done if t.after_restart)),
                           "outputs_equal": all(t.equal for t in done if t.after_restart)},
         "decode_fallbacks": [t.decode["fallback"] for t in done if t.decode.get("fallback")],
+        "store_errors": [f"{t.rid}: {t.decode['store_error']}" for t in done if t.decode.get("store_error")],
         "errors": errors,
-        "per_turn": [{"rid": t.rid, "round": t.round, "user": t.user, "prompt_tokens": t.prompt_tokens,
+        "per_turn": [{"rid": t.rid, "round": t.round, "user": t.user, "session": t.session,
+                      "history_tokens": t.history_tokens, "prompt_tokens": t.prompt_tokens,
                       "hit_tokens": t.prefill.get("hit_tokens"), "loaded_tokens": t.prefill.get("loaded_tokens"),
                       "choice": t.prefill.get("choice"), "ttft_baseline_s": round(t.baseline_ttft_s, 4),
-                      "ttft_kvport_s": t.prefill.get("ttft_s"), "load_s": t.prefill.get("load_s"),
+                      "ttft_kvport_s": t.prefill.get("ttft_s"),
+                      "ttft_speedup": _ratio(t.baseline_ttft_s, t.prefill.get("ttft_s")),
+                      "bytes_moved": {k: v[0] for k, v in per_path[t.rid].items()} if t.rid in per_path else None,
+                      "bytes_ideal": {k: v[1] for k, v in per_path[t.rid].items()} if t.rid in per_path else None,
+                      "load_s": t.prefill.get("load_s"),
                       "compute_s": t.prefill.get("compute_s"), "transfer_bytes": t.prefill.get("transfer_bytes"),
                       "credit_waits": t.prefill.get("credit_waits"), "after_restart": t.after_restart,
                       "equal": t.equal} for t in turns],
@@ -104,34 +152,42 @@ def summarize(turns: list[Turn], *, raw_socket_gbps: float | None, block_size: i
 
 
 def render(console: Console, turns: list[Turn], summary: dict[str, Any]) -> None:
-    tab = Table(title="kvport demo: prefill/decode disaggregation, multi-turn chat (SmolLM2-135M-Instruct)")
-    for col in ("turn", "prompt", "reused", "planner", "TTFT base", "TTFT kvport", "speedup", "KV sent",
-                "waits", "output"):
-        tab.add_column(col, justify="right" if col not in ("turn", "planner", "output") else "left")
+    tab = Table(title="kvport demo: prefill/decode disaggregation, long chats and agent sessions "
+                      "(SmolLM2-135M-Instruct)")
+    for col in ("turn", "session", "history", "prompt", "reused", "planner", "TTFT recompute", "TTFT kvport",
+                "speedup", "KV moved / ideal", "waits", "output"):
+        tab.add_column(col, justify="left" if col in ("turn", "session", "planner", "output") else "right")
+    rows = {r["rid"]: r for r in summary["per_turn"]}
     for t in turns:
-        p = t.prefill
+        p, row = t.prefill, rows[t.rid]
         ttft = p.get("ttft_s")
+        mv, ie = row["bytes_moved"], row["bytes_ideal"]
         tab.add_row(
-            f"r{t.round} u{t.user}" + (" *" if t.after_restart else ""), str(t.prompt_tokens),
-            str(p.get("hit_tokens", "-")), str(p.get("choice", "-")), f"{t.baseline_ttft_s * 1e3:.0f} ms",
-            f"{ttft * 1e3:.0f} ms" if ttft else "-",
+            f"r{t.round} u{t.user}" + (" *" if t.after_restart else ""), t.session, str(t.history_tokens),
+            str(t.prompt_tokens), str(p.get("hit_tokens", "-")), str(p.get("choice", "-")),
+            f"{t.baseline_ttft_s * 1e3:.0f} ms", f"{ttft * 1e3:.0f} ms" if ttft else "-",
             f"{t.baseline_ttft_s / ttft:.1f}x" if ttft else "-",
-            f"{(p.get('transfer_bytes') or 0) / 2**20:.1f} MiB", str(int(p.get("credit_waits") or 0)),
+            f"{sum(mv.values()) / 2**20:.0f} / {sum(ie.values()) / 2**20:.0f} MiB" if mv and ie else "-",
+            str(int(p.get("credit_waits") or 0)),
             "[green]= baseline[/]" if t.equal else f"[red]DIFFERS[/] {t.error or ''}")
     console.print(tab)
     s = summary
-    m, x, b = s["mean_ttft_s"], s["transfer"], s["bytes_moved"]
-    console.print("* = after the decode worker was restarted")
+    m, x, b, ib = s["mean_ttft_s"], s["transfer"], s["bytes_moved"], s["bytes_ideal"]
+    h, r2 = s["history_tokens_round2plus"], s["ttft_round2plus_s"]
+    console.print("* = after the decode worker was restarted; KV moved = prefill->decode + loaded + stored")
     lines = [
         f"outputs equal to a single-process run without kvport: "
         f"{'[green]yes, every turn[/]' if s['outputs_equal_baseline'] else '[red]NO[/] ' + str(s['mismatched_turns'])}",
         f"hit rate (prompt tokens whose KV was found): {s['hit_rate_tokens']:.1%} overall, "
         f"{s['hit_rate_tokens_after_round_1']:.1%} from round 2 on; blocks by tier {s['hit_blocks_by_tier']}",
-        f"mean TTFT from round 2 on: {_ms(m['baseline_no_reuse_after_round_1'])} without reuse, "
-        f"{_ms(m['kvport_after_round_1'])} with kvport",
-        f"bytes moved: {b['prefill_to_decode'] / 2**20:.1f} MiB prefill->decode, "
-        f"{b['loaded_from_tiers'] / 2**20:.1f} MiB loaded from tiers, "
-        f"{b['stored_to_shared_tier'] / 2**20:.1f} MiB stored to the shared tier",
+        f"[bold]mean TTFT from round 2 on: {_ms(r2['baseline_recompute'])} recomputing, "
+        f"{_ms(r2['kvport'])} with kvport: {_num(s['ttft_round2plus_speedup'])}x lower[/] "
+        f"(history {h['min']}-{h['max']} tokens, mean {h['mean']}); all rounds: "
+        f"{_ms(m['baseline_no_reuse'])} vs {_ms(m['kvport'])}",
+        "bytes moved vs the size calculator's ideal (KV of the tokens that had to move): "
+        + ", ".join(f"{k.replace('_', ' ')} {b[k] / 2**20:.1f} / {ib[k] / 2**20:.1f} MiB"
+                    for k in (*PATHS, "total"))
+        + f" (x{_num(s['bytes_moved_vs_ideal']['total'])})",
         f"transfer: {x['sending_s']:.3f} s sending, streamed during prefill (+{x['credit_wait_s']:.3f} s waiting "
         f"for credits while the decode worker was busy; streams ended {x['exposed_after_first_token_s']:.3f} s "
         f"after the first tokens in all) vs the calculator's ideal "
@@ -149,8 +205,9 @@ def render(console: Console, turns: list[Turn], summary: dict[str, Any]) -> None
         f"{s['after_restart']['hit_tokens']} tokens from the shared tier, outputs equal: "
         f"{s['after_restart']['outputs_equal']}",
     ]
-    if s["errors"] or s["decode_fallbacks"]:
-        lines.append(f"[yellow]errors/fallbacks[/]: {s['errors'] + s['decode_fallbacks']}")
+    if s["errors"] or s["decode_fallbacks"] or s["store_errors"]:
+        lines.append(f"[yellow]errors/fallbacks/saves that failed[/]: "
+                     f"{s['errors'] + s['decode_fallbacks'] + s['store_errors']}")
     for line in lines:
         console.print(line)
 

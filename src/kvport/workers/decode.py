@@ -230,12 +230,11 @@ class DecodeWorker:
         skip = int(msg["hit_blocks"])
         n_save = max(0, len(seq) // self.spec.block_size - skip)
         # a save has a deadline as a load does (the bytes at the speed earlier saves reached; before
-        # one was measured, at the link speed the router expected for this request's stream; else
-        # the policy's maximum): a stalled or full shared tier costs the session's reuse, not the
-        # answer. Blocks stored before it passed stay (each is whole and sealed).
+        # one was measured, the policy's maximum: the hand-off link's speed says nothing of the
+        # shared tier's, whose first puts also fault its pages in): a stalled or full shared tier
+        # costs the session's reuse, not the answer. Blocks stored before it passed stay (each is
+        # whole and sealed).
         bps = self._save_bps
-        if bps is None and received and isinstance(expected, int | float) and expected > 0:
-            bps = received / expected
         expected = None if bps is None else n_save * self.spec.bytes_per_block / bps
         ts = time.perf_counter()
         try:

@@ -412,7 +412,8 @@ def run(opts: SuiteOptions) -> Report:
     with tempfile.TemporaryDirectory(prefix="kvport-bench-server-") as tmp:
         srv = _ServerProc(["--listen", "127.0.0.1:0", "--capacity", str(capacity), "--disk", str(Path(tmp) / "disk"),
                            "--disk-capacity", str(capacity // 2), "--max-value", "32MiB",
-                           "--inflight", str(inflight), "--no-spill", "--io-threads", str(io_threads)])
+                           "--inflight", str(inflight), "--no-spill", "--io-threads", str(io_threads),
+                           "--prefault"])  # steady state: the pool resident from the start, as before
         try:
             host_cap = int(srv.info["host_capacity"])
             budget = int(host_cap * 0.8) // CLIENTS

@@ -13,11 +13,11 @@ the first from click (a value's type or range, a missing or unknown option), the
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterable
 
 import click
 
+from kvport import logs
 from kvport.config import Settings
 from kvport.errors import KVPortError, UserInputError
 
@@ -27,7 +27,7 @@ def setup_logging() -> None:
         level = Settings.from_env().log_level
     except UserInputError:
         level = "WARNING"
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.setup(level)
 
 
 # click >= 8.2 answers ``kvport`` alone (a group without its command) with a UsageError that shows the help

@@ -45,10 +45,11 @@ log = logging.getLogger(__name__)
                    "(with --kv-bytes-per-token for the loads); default: built-in costs")
 @click.option("--route-stale", "route_stale", default=30.0, show_default=True, type=float, callback=as_seconds,
               help="seconds after which an engine not heard from (KV events or /metrics) gets no requests")
-@click.option("--decode-inbox", "decode_inbox", multiple=True, metavar="HOST:PORT[,HOST:PORT...]",
-              help="a decode engine's kvport_pd_inbox, one per --decode in the same order (at tensor parallel "
-                   "size N: its N rank inboxes, comma-separated): prefill engines stream the KV there layer by "
-                   "layer during the prefill; repeatable")
+@click.option("--decode-inbox", "decode_inbox", multiple=True, metavar="INBOX[,INBOX...]",
+              help="a decode engine's kvport_pd_inbox, one per --decode in the same order: HOST:PORT (TCP) or "
+                   "shm:NAME (shared memory, an engine on this host); at tensor parallel size N its N rank inboxes, "
+                   "comma-separated. Prefill engines stream the KV there layer by layer during the prefill; "
+                   "repeatable")
 @click.option("--prefill-timeout", default=300.0, show_default=True, type=float, callback=as_seconds,
               help="seconds a prefill may take before the decode engine computes the prompt itself")
 @click.option("--decode-timeout", default=600.0, show_default=True, type=float, callback=as_seconds,

@@ -6,7 +6,11 @@ Memory: ``capacity_bytes`` is the whole process's budget, not just the host pool
              + staging pool (limits.total_inflight_bytes: values bound for or read from disk)
              + lease and pin records (server.held.held_budget: at most capacity / 8, less when
                every tenant at its cap needs less; charged before a record is made)
-             + scratch (1 MiB) + host pool (the rest, preallocated and pre-faulted once)
+             + scratch (1 MiB) + host pool (the rest, mapped once)
+
+The host pool is resident as it fills (an idle server holds its baseline and a first 64 MiB step,
+not its capacity), or from the start with ``prefault`` (``kvport serve --prefault``): the pages
+fault in once either way, at start or on the puts that first reach them.
 
 Storage is one :class:`~kvport.store.TieredStore` plus its ledger (:mod:`kvport.server.storage`):
 the server keeps no pins, leases, quotas or placement of its own.
@@ -48,8 +52,9 @@ from kvport.server.metrics import ServerMetrics
 from kvport.server.staging import size_class
 from kvport.server.state import ServerState
 from kvport.server.storage import DISK, HOST, host_pool_bytes, open_storage
-from kvport.server.tenants import TenantTable, load_or_create_secret, load_tenants
+from kvport.server.tenants import Tenant, TenantTable, load_or_create_secret, load_tenants
 from kvport.store import TieredStore
+from kvport.store.eviction import DEFAULT_POLICY
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -66,15 +71,20 @@ class ServerConfig:
     page_bytes: int = 1 * MiB
     http_port: int | None = None
     tenants_file: Path | None = None
+    tenants: tuple[Tenant, ...] | None = None  # given as values (a config file's [[tenants]]), not a tenants file
     auth_token: str | None = field(default=None, repr=False)  # token of the default tenant (no tenants file)
     tls_cert: Path | None = None
     tls_key: Path | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
     spill_on_shutdown: bool = True
+    eviction: str = DEFAULT_POLICY  # a name of kvport.store.eviction.POLICIES
     drain_timeout_s: float = 10.0
     io_threads: int = DEFAULT_IO_THREADS  # bulk payload I/O threads (0: every byte on the event loop thread)
+    prefault: bool = False  # fault the host pool in at start (else it grows resident as it fills)
 
     def __post_init__(self) -> None:
+        if self.tenants is not None and self.tenants_file is not None:
+            raise ConfigError("tenants come from a tenants file or as values, not both")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("--tls-cert and --tls-key go together")
         if self.page_bytes < 4096 or self.page_bytes & (self.page_bytes - 1):
@@ -130,7 +140,7 @@ class KVServer:
         """Bind, open and start everything, or (ConfigError) leave nothing behind: a start that fails
         half-way closes what it opened (listeners, I/O threads, tiers, the disk folder's lock)."""
         cfg = self.cfg
-        tenants_list = load_tenants(cfg.tenants_file, cfg.auth_token)
+        tenants_list = list(cfg.tenants) if cfg.tenants is not None else load_tenants(cfg.tenants_file, cfg.auth_token)
         try:  # the secret lives in the disk folder (created here when missing)
             secret = load_or_create_secret(cfg.disk_dir) if cfg.disk_dir else secrets.token_bytes(32)
         except ConfigError as exc:  # missing parent, read-only, not a folder
@@ -143,7 +153,7 @@ class KVServer:
         host_bytes = host_pool_bytes(cfg.capacity_bytes - held_bytes, cfg.limits.total_inflight_bytes, cfg.page_bytes)
         disk_bytes = 4 * cfg.capacity_bytes if cfg.disk_capacity_bytes is None else cfg.disk_capacity_bytes
         store = open_storage(host_bytes, cfg.page_bytes, cfg.disk_dir, disk_bytes, tenants.quotas(),
-                             cfg.limits.max_value_bytes)
+                             cfg.limits.max_value_bytes, eviction=cfg.eviction, prefault=cfg.prefault)
         try:
             self.state = ServerState(store, tenants, cfg.limits, ServerMetrics(), cfg.page_bytes, held_bytes)
             self.handlers = Handlers(self.state)
@@ -276,6 +286,7 @@ async def serve(cfg: ServerConfig, announce: bool = True) -> None:
         tiers = server.state.store.tiers
         print(json.dumps({"event": "listening", "host": cfg.host, "port": server.port, "http_port": server.http_port,
                           "page_bytes": cfg.page_bytes, "host_capacity": tiers[HOST].capacity_bytes,
+                          "prefault": cfg.prefault,
                           "disk_capacity": tiers[DISK].capacity_bytes if DISK in tiers else 0}), flush=True)
     await stop.wait()
     with contextlib.suppress(PeerError):

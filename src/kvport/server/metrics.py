@@ -6,6 +6,8 @@ from kvport.metrics import counter, gauge
 from kvport.server.held import HeldTally
 from kvport.server.staging import StagingPool
 from kvport.store import TieredStore
+from kvport.tiers.host import HostTier
+from kvport.tiers.paged_tier import PagedTier
 
 
 class ServerMetrics:
@@ -24,6 +26,8 @@ class ServerMetrics:
         self.used = gauge("server_used_bytes", "charged bytes held, by place (a tier, or held: lease and pin records)",
                           ("place",))
         self.capacity = gauge("server_capacity_bytes", "capacity, by place", ("place",))
+        self.resident = gauge("server_resident_bytes", "bytes of a tier's memory faulted in (host: grows as it fills, "
+                              "or all of it with --prefault)", ("place",))
         self.blocks = gauge("server_blocks", "blocks stored")
         self.staging = gauge("server_staging_bytes", "staging buffers allocated (values in flight)")
         self.leases = gauge("server_leases", "leases held by clients")
@@ -34,6 +38,10 @@ class ServerMetrics:
         for name in store.names:
             self.used.labels(name).set(st.used_bytes[name])
             self.capacity.labels(name).set(store.tiers[name].capacity_bytes)
+            tier = store.tiers[name]
+            mem = tier.inner if isinstance(tier, PagedTier) else tier
+            if isinstance(mem, HostTier):
+                self.resident.labels(name).set(mem.resident_bytes)
         self.used.labels("held").set(store.ledger.footprint())
         self.capacity.labels("held").set(held.budget_bytes)
         self.blocks.set(len(store))

@@ -36,6 +36,7 @@ from kvport.errors import ConfigError, TierError
 from kvport.keys import KEY_BYTES
 from kvport.ledger import Ledger
 from kvport.store import LifetimePolicy, TieredStore, TierPolicy
+from kvport.store.eviction import DEFAULT_POLICY
 from kvport.tiers.base import fs_room
 from kvport.tiers.disk import DiskTier
 from kvport.tiers.host import HostTier
@@ -86,8 +87,8 @@ def host_pool_bytes(capacity_bytes: int, inflight_bytes: int, page_bytes: int) -
 
 
 def open_storage(host_bytes: int, page_bytes: int, disk_dir: Path | None, disk_capacity: int,
-                 quotas: dict[str, int], max_value_bytes: int, eviction: str = "lru",
-                 spill_reserve: bool = True) -> TieredStore:
+                 quotas: dict[str, int], max_value_bytes: int, eviction: str = DEFAULT_POLICY,
+                 spill_reserve: bool = True, prefault: bool = False) -> TieredStore:
     """The server's store; a ``disk_dir`` another process holds is refused (ConfigError).
 
     ``spill_reserve``: the disk keeps room for the host tier (up to half the disk) that eviction does
@@ -97,9 +98,12 @@ def open_storage(host_bytes: int, page_bytes: int, disk_dir: Path | None, disk_c
     ``disk_capacity`` over what the filesystem can hold (free space plus the blocks already there)
     is lowered to it, with one warning; while running, a write the disk could not take at shutdown
     with every host block (another process took the space, the journal's filesystem is full) is
-    refused (``keep_spillable``: TierFullError, after the disk's own victims left)."""
+    refused (``keep_spillable``: TierFullError, after the disk's own victims left).
+
+    ``prefault``: the host pool is faulted in now (resident from the start); otherwise it is mapped
+    and grows resident as it fills (:class:`~kvport.tiers.host.HostTier`)."""
     with _allocating(host_bytes, "--capacity"):
-        pool = HostTier(host_bytes, page_bytes, pin=False, name="server-host")
+        pool = HostTier(host_bytes, page_bytes, pin=False, name="server-host", prefault=prefault)
     host = PagedTier(pool, page_bytes, name=HOST, max_value_bytes=max_value_bytes)
     tiers = [host]
     if disk_dir is not None:

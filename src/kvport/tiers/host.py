@@ -2,7 +2,7 @@
 
 ::
 
-    pool (uint8, allocated and pre-faulted once; pinned when CUDA exists)
+    pool (uint8, allocated once; pinned when CUDA exists)
     +-----------+-----------+-----------+-----+-------------+
     | page 0    | page 1    | page 2    | ... | page N-1    |     N = capacity_bytes // page_bytes
     +-----------+-----------+-----------+-----+-------------+
@@ -18,6 +18,14 @@ A page is in exactly one of three sets at any time::
 Only committed pages are visible to ``get_into / view / contains / keys``. ``used_bytes`` counts
 reserved and committed pages as whole pages. A view from ``view(key)`` or ``reserve`` stays valid
 until the key is deleted or replaced: callers hold a ledger lease or pin across its use.
+
+Resident memory: ``prefault=True`` (the default) faults the whole pool in at start, so no put ever
+waits for the kernel (fresh pages fault at ~1 GB/s) and the memory is the tier's from the first
+second. ``prefault=False`` (``kvport serve``'s default) maps the pool without touching it and faults
+it in as it fills, :data:`GROW_BYTES` at a time past the highest page handed out so far: an idle
+pool costs next to nothing, a filling one pays the faults once, in steps (pages are handed out
+lowest first and freed pages are reused first, so the resident part only grows when the tier holds
+more than it ever did). ``resident_bytes`` says how much is faulted in.
 
 Hot path (measured by ``kvport bench tiers`` against numpy memcpy of the same bytes): one
 ``memoryview`` slice assignment per value, under a lock that only guards the page tables.
@@ -72,10 +80,12 @@ def _copy_runs(dsts: list[memoryview], srcs: list[memoryview]) -> None:
 
 
 _HUGE_PAGE = 2 << 20
+GROW_BYTES = 64 << 20  # a growing pool (prefault=False) faults in this much past its highest page at a time
 
 
-def _alloc_pool(nbytes: int, pin: bool | None) -> tuple[object, memoryview]:
-    """The pool array (kept alive by the tier) and a flat writable byte view of it.
+def _alloc_pool(nbytes: int, pin: bool | None, prefault: bool = True) -> tuple[object, memoryview, bool]:
+    """The pool array (kept alive by the tier), a flat writable byte view of it, and whether it is
+    faulted in (a pinned pool always is).
 
     ``pin=None`` pins when CUDA is usable *and torch is already imported* (an engine on a GPU has
     imported it); a host-only process does not pay seconds of ``import torch`` for a RAM pool."""
@@ -87,7 +97,7 @@ def _alloc_pool(nbytes: int, pin: bool | None) -> tuple[object, memoryview]:
         t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         t.fill_(0)
         arr = t.numpy()
-        return t, arr.data.cast("B")
+        return t, arr.data.cast("B"), True
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if nbytes >= _HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         # 2 MiB pages where the kernel allows them (THP "madvise" or "always"): one TLB entry
@@ -96,12 +106,14 @@ def _alloc_pool(nbytes: int, pin: bool | None) -> tuple[object, memoryview]:
         with contextlib.suppress(OSError):
             m.madvise(mmap.MADV_HUGEPAGE)
     arr = np.frombuffer(m, dtype=np.uint8)
-    arr.fill(0)  # pre-fault every page now, not on the first put (fresh pages fault at ~1 GB/s)
-    return m, arr.data.cast("B")
+    if prefault:
+        arr.fill(0)  # pre-fault every page now, not on the first put (fresh pages fault at ~1 GB/s)
+    return m, arr.data.cast("B"), prefault
 
 
 class HostTier(Tier):
-    def __init__(self, capacity_bytes: int, page_bytes: int, *, name: str = "host", pin: bool | None = None) -> None:
+    def __init__(self, capacity_bytes: int, page_bytes: int, *, name: str = "host", pin: bool | None = None,
+                 prefault: bool = True) -> None:
         if page_bytes <= 0 or capacity_bytes < page_bytes:
             raise TierError(f"HostTier needs 0 < page_bytes <= capacity_bytes, got {page_bytes}, {capacity_bytes}")
         self.name = name
@@ -109,7 +121,9 @@ class HostTier(Tier):
         self.num_pages = capacity_bytes // page_bytes
         self.caps = TierCaps(persistent=False, shared=False, zero_copy_read=True, max_value_bytes=page_bytes,
                              zero_copy_write=True)
-        self._owner, self._mv = _alloc_pool(self.num_pages * page_bytes, pin)
+        self._owner, self._mv, faulted = _alloc_pool(self.num_pages * page_bytes, pin, prefault)
+        self._resident_pages = self.num_pages if faulted else 0  # pages [0, n) are faulted in
+        self._grow_pages = max(1, GROW_BYTES // page_bytes)
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))  # pop() hands out page 0 first
         self._committed: dict[bytes, _Slot] = {}
         self._reserved: dict[bytes, _Slot] = {}
@@ -129,6 +143,20 @@ class HostTier(Tier):
     def free_pages(self) -> int:
         return len(self._free)
 
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the pool faulted in (the whole pool when it was pre-faulted)."""
+        return self._resident_pages * self.page_bytes
+
+    def _grow_to(self, page: int) -> None:
+        """Fault pages in through ``page`` (and :data:`GROW_BYTES` more) before it is written; under the lock."""
+        if page < self._resident_pages:
+            return
+        end = min(self.num_pages, max(page + 1, self._resident_pages + self._grow_pages))
+        pb = self.page_bytes
+        np.frombuffer(self._mv[self._resident_pages * pb : end * pb], dtype=np.uint8).fill(0)
+        self._resident_pages = end
+
     # ------------------------------------------------------------------ two-phase zero-copy write
     def reserve(self, key: bytes, nbytes: int) -> memoryview:
         """A writable view of ``nbytes`` into a free page; invisible until :meth:`commit`.
@@ -145,6 +173,7 @@ class HostTier(Tier):
             if not self._free:
                 raise TierFullError(f"{self.name}: all {self.num_pages} pages in use")
             slot = _Slot(self._free.pop(), nbytes)
+            self._grow_to(slot.page)
             self._reserved[key] = slot
         off = slot.page * self.page_bytes
         return self._mv[off : off + nbytes]
@@ -212,6 +241,8 @@ class HostTier(Tier):
                 raise TierFullError(f"{self.name}: {len(keys)} pages wanted, {len(self._free)} free")
             pages = sorted(self._free[len(self._free) - len(keys) :])  # ascending: neighbours stay neighbours
             del self._free[len(self._free) - len(keys) :]
+            if pages:
+                self._grow_to(pages[-1])
             for k, v, page in zip(keys, srcs, pages, strict=True):
                 self._reserved[k] = _Slot(page, v.nbytes)
         pb = self.page_bytes

@@ -51,9 +51,10 @@ except ImportError:
 
 import xxhash
 
-from kvport import metrics
+from kvport import logs, metrics
 from kvport.client.port import OpenedStore
 from kvport.codec.envelope import block_format
+from kvport.config import Settings
 from kvport.deadline import Deadline
 from kvport.engines.vllm.config import ConnectorConfig
 from kvport.engines.vllm.gate import gate
@@ -101,6 +102,7 @@ class KVPortStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no ty
     """HiCache's storage backend over a kvport store (see the module's docstring)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
+        logs.attach(Settings.from_env().log_level)  # kvport's records in SGLang's log, with their time
         extra = dict(storage_config.extra_config or {})
         model = extra.pop("kvport_model_dir", None) or storage_config.model_name
         self.cfg = ConnectorConfig.from_extra_config(extra)

@@ -100,7 +100,7 @@ except ImportError:
     require("vllm", __name__)  # no vLLM, or another release (its modules move): one line saying so
     raise  # a supported vLLM installed but broken: the original error
 
-from kvport import metrics
+from kvport import logs, metrics
 from kvport.config import Settings
 from kvport.engines.vllm.gate import gate
 from kvport.errors import EngineError, HandoffNotSentError, HandoffParamsError, HandoffVersionError, KVPortError
@@ -227,6 +227,7 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        logs.attach(Settings.from_env().log_level)  # kvport's records in vLLM's log, with their time
         self.cfg = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         mc = vllm_config.model_config
         tp = int(vllm_config.parallel_config.tensor_parallel_size)

@@ -18,7 +18,7 @@ SGLANG_STAMP := $(VENV)/.kvport-sglang
 DIST_PYTHONS ?= 3.12 3.13 $(PY)
 WHEELCHECK_PYTHONS ?= 3.12 3.13
 
-.PHONY: setup model redis demo test lint types imports pytest dist wheelcheck clean gpu-wheels vllm033-check
+.PHONY: setup model redis chromium demo test lint types imports pytest dist wheelcheck clean gpu-wheels vllm033-check
 
 XXHASH_H := /usr/include/xxhash.h
 
@@ -67,6 +67,13 @@ redis:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null; }
 	@redis-server --version
 
+# Chromium (Debian package) for the browser check of kvport report's page (tests/report)
+chromium:
+	@command -v chromium >/dev/null || { \
+	  echo "installing chromium (Debian package)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null; }
+	@chromium --version
+
 demo: $(STAMP) model
 	$(VENV)/bin/kvport demo
 
@@ -79,7 +86,7 @@ types: setup
 imports: setup
 	$(VENV)/bin/lint-imports
 
-pytest: setup model redis $(SGLANG_STAMP)
+pytest: setup model redis chromium $(SGLANG_STAMP)
 	$(VENV)/bin/pytest -q
 
 # sdist + one wheel per interpreter, built from the sdist; prints the core install's size

@@ -4,7 +4,9 @@ Layers, top to bottom; a module imports only from layers below it (checked by im
 contract in pyproject.toml; names joined by ``|`` share a layer and do not import each other)::
 
     cli                         `kvport ...` entry points
-    demo                        the main job: prefill/decode disaggregation on the reference model
+    report | demo               the benchmarks' JSON as an HTML page of figures and the Markdown reference
+                                (`kvport report`); the main job: prefill/decode disaggregation on the
+                                reference model
     bench                       benchmark suites (`kvport bench SUITE`), each measuring its physical limit
     eval | workers              quality harness for KV codecs on the reference model; the transformers
                                 prefill/decode worker processes (the demo runs them, the fault bench drives them)
@@ -12,6 +14,8 @@ contract in pyproject.toml; names joined by ``|`` share a layer and do not impor
                                 measured in fresh engines); the prefill/decode proxy (`kvport proxy`)
     engines | server            transformers / vLLM adapters (engines/vllm: only what vLLM loads); the
                                 shared-tier server (`kvport serve`)
+    configfile                  the one config file of a deployment (TOML): typed, checked with file:line:key,
+                                KVPORT_* variables over it (kvport serve --config, the connectors, the demo)
     planner | route             transfer vs recompute vs compress: cost model + calibration; KV-aware
                                 routing (the prefix index built from KV events)
     evidence                    physical limits measured in the same run (memcpy, raw socket, disk, redis),
@@ -27,10 +31,10 @@ contract in pyproject.toml; names joined by ``|`` share a layer and do not impor
     keys | lifetime             chained block keys; a block's lifetime class (request, session, prefix)
     spec                        KVSpec and sizes
     config                      typed settings (the only reader of KVPORT_* variables)
-    units | metrics | memops | extras | deadline
+    units | metrics | memops | extras | deadline | logs
                                 unit parsing; the Prometheus registry; the hot paths' memory kernels
                                 (native or numpy); optional parts and the one error naming the extra;
-                                deadlines of loads
+                                deadlines of loads; the log format, in kvport's processes and engines'
     _memops                     the native kernels behind memops (C, built at install when it can be)
     errors                      one exception tree
 """

@@ -15,7 +15,8 @@ redis and psutil. Whatever brings a framework is an extra (``pip install 'kvport
     hiredis faster Redis replies for the Redis tier                  hiredis
     events  KV events over ZeroMQ (kvport.events.bus), the router's  zmq (pyzmq)
             subscriptions
-    all     hf, codecs, eval, hiredis and events (not the engines, not nixl)
+    report  ``kvport report``'s plots (the HTML page)                 matplotlib
+    all     hf, codecs, eval, hiredis, events and report (not the engines, not nixl)
 
 ``raw`` and ``lossless`` codecs are core (numpy + zstandard). No extra pins torch: ``hf`` asks for a
 range that an engine's own pin satisfies, so an engine's torch is never replaced.
@@ -84,6 +85,7 @@ EXTRAS: dict[str, Extra] = {e.name: e for e in (
     Extra("nixl", ("nixl",), "NIXL transport (kvport.transfer.nixl; install nixl-cu12 --no-deps)"),
     Extra("hiredis", ("hiredis",), "redis-py parses Redis replies in C (the Redis tier's gets)"),
     Extra("events", ("zmq",), "KV events over ZeroMQ (kvport.events.bus) and the router's subscriptions"),
+    Extra("report", ("matplotlib",), "kvport report's plots (the HTML page; --markdown needs none)"),
 )}
 
 # import name -> the extra that brings it (the first that lists it), for ImportErrors of foreign code

@@ -13,8 +13,12 @@ def test_codec_suite_report_shape(capsys, tmp_path, model_dir) -> None:  # type:
     assert main(argv) == 0
     saved = json.loads(path.read_text())
     assert json.loads(capsys.readouterr().out) == saved
-    assert saved["suite"] == "codec" and set(saved) == {"suite", "conditions", "limits", "results"}
+    assert saved["suite"] == "codec" and set(saved) == {"format", "suite", "conditions", "limits", "results"}
     assert saved["limits"]["memcpy_gbps"] > 0
+    cond = saved["conditions"]  # how it was made: the report says, and the command runs it again
+    assert cond["mode"] == "quick" and cond["commit"]  # a checkout: its commit
+    assert cond["command"] == ("kvport bench codec --quick --set 'codecs=[\"lossless\", \"int8\", \"mixed\"]' "
+                               "--set tokens=64 --set windows=1")
     assert saved["conditions"]["kv_shape"] == [30, 3, 64, 64]
     codecs = saved["results"]["codecs"]
     assert set(codecs) == {"lossless", "int8", "mixed"}

@@ -10,7 +10,7 @@ def test_hash_suite_report_shape(capsys, tmp_path) -> None:  # type: ignore[no-u
     printed = json.loads(capsys.readouterr().out)
     saved = json.loads(path.read_text())
     assert printed == saved
-    assert set(saved) == {"suite", "conditions", "limits", "results"}
+    assert set(saved) == {"format", "suite", "conditions", "limits", "results"}
     assert saved["suite"] == "hash"
     for k in ("cpu_count", "loadavg_start", "loadavg_end", "versions", "machine"):
         assert k in saved["conditions"]

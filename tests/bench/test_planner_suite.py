@@ -18,7 +18,7 @@ def test_planner_suite_report_shape(capsys, tmp_path, model_dir) -> None:  # typ
     printed = json.loads(capsys.readouterr().out)
     rep = json.loads(path.read_text())
     assert printed == rep and rep["suite"] == "planner"
-    assert set(rep) == {"suite", "conditions", "limits", "results"}
+    assert set(rep) == {"format", "suite", "conditions", "limits", "results"}
     for k in ("cpu_count", "loadavg_start", "loadavg_end", "versions", "threads", "lengths", "suffix_tokens"):
         assert k in rep["conditions"]
     assert rep["limits"]["loopback_tcp_gbps"] > 0 and rep["limits"]["memcpy_gbps"] > 0

@@ -15,7 +15,7 @@ def test_server_suite_report_shape(capsys, tmp_path) -> None:  # type: ignore[no
     printed = json.loads(capsys.readouterr().out)
     saved = json.loads(path.read_text())
     assert printed == saved and saved["suite"] == "server"
-    assert set(saved) == {"suite", "conditions", "limits", "results"}
+    assert set(saved) == {"format", "suite", "conditions", "limits", "results"}
     assert saved["conditions"]["clients"] == 16 and saved["conditions"]["capacity_bytes"] == 448 * MiB
     lim = saved["limits"]
     each = [x for x in lim["raw_socket_gbps_each"] if x is not None]

@@ -8,7 +8,7 @@ def test_tiers_suite_report_shape(capsys, redis_server, monkeypatch) -> None:  #
     assert main(["bench", "tiers", "--quick", "--set", "tokens=32", "--set", "trials=1"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["suite"] == "tiers"
-    assert set(rep) == {"suite", "conditions", "limits", "results"}
+    assert set(rep) == {"format", "suite", "conditions", "limits", "results"}
     for f in ("llama_memcpy_gbps", "llama_raw_disk_write_gbps", "llama_raw_disk_read_gbps",
               "llama_raw_redis_set_gbps", "llama_raw_redis_get_gbps", "smollm2_memcpy_gbps"):
         assert rep["limits"][f] > 0, f

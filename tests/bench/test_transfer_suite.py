@@ -20,7 +20,7 @@ def test_transfer_suite_report_shape(capsys, tmp_path, model_dir) -> None:  # ty
     printed = json.loads(capsys.readouterr().out)
     saved = json.loads(path.read_text())
     assert printed == saved
-    assert set(saved) == {"suite", "conditions", "limits", "results"} and saved["suite"] == "transfer"
+    assert set(saved) == {"format", "suite", "conditions", "limits", "results"} and saved["suite"] == "transfer"
     for k in ("cpu_count", "loadavg_start", "loadavg_end", "versions", "process_layout"):
         assert k in saved["conditions"]
     for k in ("memcpy_gbps", "raw_socket_gbps", "raw_socket_same_layout_gbps"):
@@ -36,6 +36,10 @@ def test_transfer_suite_report_shape(capsys, tmp_path, model_dir) -> None:  # ty
             assert f in r[key]
     assert r["overload"]["backpressure"] is True and r["overload_no_backpressure"]["backpressure"] is False
     assert r["overload"]["lost_blocks"] == 0 and r["overload"]["peak_memory_vs_budget"] <= 1.0
+    line = r["overload"]["timeline"]  # over time, as the report draws it: never above the budget, nothing lost
+    assert len(line["t_s"]) == len(line["memory_bytes"]) == len(line["goodput_mbps"]) >= 2
+    assert max(line["memory_bytes"]) <= r["overload"]["budget_bytes"] and line["lost_blocks"][-1] == 0
+    assert line["t_s"] == sorted(line["t_s"])
     lw = r["layerwise"]
     assert lw["streamed_s"] > 0 and lw["sequential_s"] > 0
     # the real model's layers by default, and the report says so

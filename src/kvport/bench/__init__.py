@@ -7,6 +7,7 @@ and ``results`` (ratios against those limits). What a suite did not measure is r
 The physical limits and timing are :mod:`kvport.evidence`, below this package. Modules::
 
     harness        SuiteOptions, Report (suite, conditions, limits, results), conditions, finish
+    run            run_suite: a suite by name, its report stamped with mode, command and commit
     codec          size ratio, encode/decode speed and quality per codec
     device         the CUDA device tier against pinned cudaMemcpy of the same bytes (null without CUDA)
     hash           chained block keys per second against raw xxh3-128
@@ -65,5 +66,6 @@ SUITES: dict[str, Suite] = {
     "prefix": _suite("prefix", "attention", "cached", "engine", "prefetch", "threads", "tokens", "trials", "vllm"),
     "tiers": _suite("tiers", "dir", "tokens", "trials"),
     "transfer": _suite("transfer", "compute", "layerwise_tokens", "mib", "overload_s", "trials"),
-    "trace": _suite("trace", "capacity", "requests", "sweep", "trace"),  # trace, capacity: also --trace, --capacity
+    # trace, capacity: also --trace, --capacity
+    "trace": _suite("trace", "capacity", "quality", "requests", "sweep", "trace", "traces"),
 }

@@ -44,6 +44,9 @@ class SuiteOptions:
         return v
 
 
+REPORT_FORMAT = 1  # the layout of a report's JSON (suite, conditions, limits, results); kvport report checks it
+
+
 @dataclass(slots=True)
 class Report:
     suite: str
@@ -52,7 +55,7 @@ class Report:
     results: dict[str, Any]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"suite": self.suite, "conditions": self.conditions, "limits": self.limits,
+        return {"format": REPORT_FORMAT, "suite": self.suite, "conditions": self.conditions, "limits": self.limits,
                 "results": self.results}
 
     def to_json(self) -> str:

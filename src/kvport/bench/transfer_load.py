@@ -162,8 +162,23 @@ def overload(backpressure: bool, quick: bool = False, capacity_bps: float = 48e6
             dest.abort()  # pages back to the pool
             rx.release(inc.bytes_received)
 
+    timeline: dict[str, list[float]] = {"t_s": [], "memory_bytes": [], "goodput_mbps": [], "lost_blocks": []}
+
+    def sample(step_s: float = 0.1) -> None:
+        """Memory held and goodput per ``step_s`` over the run (the report's curves over time)."""
+        last_t, last_bytes = t0, 0
+        while not stop.wait(step_s) and time.monotonic() <= t_end + step_s:
+            now, done = time.monotonic(), stats["consumed_bytes"]
+            timeline["t_s"].append(round(now - t0, 3))
+            timeline["memory_bytes"].append(pool.used)
+            timeline["goodput_mbps"].append(round((done - last_bytes) / (now - last_t) / 1e6, 2))
+            timeline["lost_blocks"].append(stats["lost_blocks"])
+            last_t, last_bytes = now, done
+
     cons = threading.Thread(target=consume, daemon=True)
     cons.start()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     offered_rate = offered_factor * capacity_bps / req_bytes  # requests/s
     backlog: collections.deque[int] = collections.deque()
     produced = 0
@@ -199,6 +214,7 @@ def overload(backpressure: bool, quick: bool = False, capacity_bps: float = 48e6
         elapsed = time.monotonic() - t0
         stop.set()
         cons.join(5)
+        sampler.join(5)
         tx.close()
         rx.close()
     goodput = stats["consumed_bytes"] / duration
@@ -222,6 +238,7 @@ def overload(backpressure: bool, quick: bool = False, capacity_bps: float = 48e6
         "requests_held_back": len(backlog),
         "admission_rejections": waits,
         "consumer_idle_s": round(stats["consumer_idle_us"] / 1e6, 3),
+        "timeline": timeline,
     }
 
 

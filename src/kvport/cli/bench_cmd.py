@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
-
 import click
 
-from kvport.bench import SUITES
-from kvport.bench.harness import Report, SuiteOptions
+from kvport.bench.harness import SuiteOptions
+from kvport.bench.run import run_suite
 from kvport.cli._params import writable_file
 from kvport.cli._run import parse_key_values
 from kvport.errors import UserInputError
-
-
-def run_suite(name: str, opts: SuiteOptions) -> Report:
-    suite = SUITES.get(name)
-    if suite is None:
-        raise UserInputError(f"unknown suite {name!r}: expected one of {', '.join(sorted(SUITES))}")
-    unknown = sorted(set(opts.extra) - suite.keys)
-    if unknown:
-        valid = ", ".join(sorted(suite.keys)) if suite.keys else "none"
-        raise UserInputError(f"--set {', '.join(unknown)}: not an option of bench {name} (its keys: {valid})")
-    mod = importlib.import_module(suite.module)
-    report: Report = mod.run(opts)
-    return report
 
 
 @click.command(context_settings={"ignore_unknown_options": False})

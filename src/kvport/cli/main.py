@@ -28,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kvport.cli.bench_cmd", "bench"),
     "demo": ("kvport.cli.demo_cmd", "demo"),
     "doctor": ("kvport.cli.doctor_cmd", "doctor"),
+    "config": ("kvport.cli.config_cmd", "config_group"),
+    "report": ("kvport.cli.report_cmd", "report_cmd"),
 }
 
 

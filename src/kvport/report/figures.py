@@ -1,0 +1,354 @@
+"""The report's figures: each reads the suites it needs and draws one matplotlib figure, or says it is unknown.
+
+=====================  ================  ====================================================================
+figure                 suites            shows
+=====================  ================  ====================================================================
+ttft_vs_length         planner           time to first token against prompt length for recompute, load and
+                                         split, measured, at each link speed; the planner's choice circled
+hit_rate_vs_capacity   trace             prefix-hit rate against capacity for each eviction policy, with the
+                                         offline optimum (Belady), per trace
+throughput_vs_limit    tiers, transfer,  each tier and transport's GB/s beside its physical limit measured in
+                       server            the same run (memcpy, raw disk, raw Redis, raw socket)
+codec_size_quality     codec             size ratio against perplexity change on the real model, per codec
+overload_over_time     transfer          memory held and goodput over time under 3x overload, with and
+                                         without backpressure
+demo_ttft_per_turn     demo              the demo's time to first token per turn, with kvport and recomputing
+=====================  ================  ====================================================================
+
+A figure is drawn from the fields it finds; a field it needs and does not find makes it *unknown*
+(:class:`Drawn` ``missing``), never filled in. Drawing needs the ``report`` extra (matplotlib).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvport.extras import require
+from kvport.report.results import Fields, Inputs, SuiteReport
+
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+except ImportError:
+    require("report", __name__)
+    raise
+
+
+@dataclass(slots=True)
+class Drawn:
+    key: str
+    title: str
+    suites: tuple[str, ...]  # the suites it was drawn from (those present)
+    caption: str
+    svg: str | None = None  # None: unknown
+    missing: list[str] = field(default_factory=list)  # fields (or suites) it needed and did not find
+
+
+Draw = Callable[[dict[str, Fields]], Figure | None]
+
+
+@dataclass(frozen=True, slots=True)
+class FigureSpec:
+    key: str
+    title: str
+    suites: tuple[str, ...]  # it is drawn when at least one of them was run
+    caption: str
+    draw: Draw
+
+
+def _num(v: object) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def _figure(n: int = 1, width: float = 5.2, height: float = 3.6) -> tuple[Figure, Sequence[Any]]:
+    fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False)
+    return fig, list(axes[0])
+
+
+# ---------------------------------------------------------------------- TTFT against prompt length
+def _ttft_vs_length(f: dict[str, Fields]) -> Figure | None:
+    p = f["planner"]
+    cells = p.get("results.cells")
+    if not isinstance(cells, list) or not cells:
+        return None
+    bws = sorted({b for c in cells if isinstance(c, dict) and (b := _num(c.get("bandwidth_mbps"))) is not None})
+    if not bws:
+        p.missing.append("planner: results.cells[].bandwidth_mbps")
+        return None
+    fig, axes = _figure(len(bws), width=4.6)
+    for ax, bw in zip(axes, bws, strict=True):
+        cs = sorted((c for c in cells if isinstance(c, dict) and _num(c.get("bandwidth_mbps")) == bw),
+                    key=lambda c: _num(c.get("tokens")) or 0)
+        for option, style in (("recompute", "o-"), ("load", "s-"), ("split", "^--")):
+            pts = [(_num(c.get("tokens")), _num((c.get("measured_s") or {}).get(option))) for c in cs]
+            pts = [(x, y) for x, y in pts if x is not None and y is not None]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), style, label=option, markersize=4)
+        chosen = []
+        for c in cs:
+            action = str((c.get("online") or {}).get("action", "")).split(":")[0]
+            x, y = _num(c.get("tokens")), _num((c.get("measured_s") or {}).get(action))
+            if x is not None and y is not None:
+                chosen.append((x, y))
+        if chosen:
+            ax.scatter(*zip(*chosen, strict=True), s=150, facecolors="none", edgecolors="black", linewidths=1.2,
+                       label="planner's choice", zorder=3)
+        for cross in p.get("results.crossover", [], need=False) or []:
+            if isinstance(cross, dict) and _num(cross.get("bandwidth_mbps")) == bw:
+                for key, style, what in (("measured_tokens", ":", "measured"), ("predicted_tokens", "-.", "planner's")):
+                    x = _num(cross.get(key))
+                    if x is not None:
+                        ax.axvline(x, color="grey", linestyle=style, label=f"{what} crossover {x:g} tokens")
+        ax.set_title(f"link {bw:g} MB/s")
+        ax.set_xlabel("prompt tokens")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("time to first token (s)")
+    axes[0].legend(fontsize=8)
+    return fig
+
+
+# ---------------------------------------------------------------------- hit rate against capacity
+def _capacity(label: str) -> float | None:
+    try:
+        return float(label.rstrip("%"))
+    except ValueError:
+        return None
+
+
+def trace_tables(t: Fields) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{trace: {"10%": {"optimal_hit_rate": x, "<policy>_hit_rate": y, ...}}}`` from a trace report:
+    ``results.traces`` (one table per trace), else ``results.sweep.all`` (one trace, older reports)."""
+    traces = t.get("results.traces", need=False)
+    if isinstance(traces, dict) and traces:
+        out = {}
+        for name, tab in traces.items():
+            rows = tab.get("capacities", tab) if isinstance(tab, dict) else None
+            if isinstance(rows, dict):
+                out[str(name)] = {k: v for k, v in rows.items() if isinstance(v, dict) and _capacity(str(k))}
+        return out
+    sweep = t.get("results.sweep.all", need=False)
+    if isinstance(sweep, dict):
+        return {"conversation": {k: v for k, v in sweep.items() if isinstance(v, dict)}}
+    t.missing.append("trace: results.traces (or results.sweep.all: run with --set sweep=true)")
+    return {}
+
+
+def _hit_rate_vs_capacity(f: dict[str, Fields]) -> Figure | None:
+    tables = {k: v for k, v in trace_tables(f["trace"]).items() if v}
+    if not tables:
+        return None
+    fig, axes = _figure(len(tables), width=4.8)
+    for ax, (name, rows) in zip(axes, sorted(tables.items()), strict=True):
+        caps = sorted(rows, key=lambda k: _capacity(k) or 0)
+        xs = [_capacity(k) for k in caps]
+        policies = sorted({k[: -len("_hit_rate")] for r in rows.values() for k in r
+                           if k.endswith("_hit_rate") and k != "optimal_hit_rate"})
+        for pol in policies:
+            pts = [(x, _num(rows[k].get(f"{pol}_hit_rate"))) for x, k in zip(xs, caps, strict=True)]
+            pts = [(x, y) for x, y in pts if x is not None and y is not None]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), "o-", markersize=4, label=pol)
+        opt = [(x, _num(rows[k].get("optimal_hit_rate"))) for x, k in zip(xs, caps, strict=True)]
+        opt = [(x, y) for x, y in opt if x is not None and y is not None]
+        if opt:
+            ax.plot(*zip(*opt, strict=True), "k--", label="optimum (Belady)")
+        ax.set_title(f"{name} trace")
+        ax.set_xlabel("capacity (% of distinct blocks)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("prefix-hit rate")
+    axes[0].legend(fontsize=8)
+    return fig
+
+
+# ---------------------------------------------------------------------- throughput against the limit
+# (suite, label, measured field, limit field): GB/s both
+THROUGHPUT_PAIRS: tuple[tuple[str, str, str, str], ...] = (
+    ("tiers", "host tier put", "results.llama_host_put_gbps", "limits.llama_memcpy_gbps"),
+    ("tiers", "host tier get", "results.llama_host_get_gbps", "limits.llama_memcpy_gbps"),
+    ("tiers", "disk tier write", "results.llama_disk_write_gbps", "limits.llama_raw_disk_write_gbps"),
+    ("tiers", "disk tier read", "results.llama_disk_read_gbps", "limits.llama_raw_disk_read_gbps"),
+    ("tiers", "Redis tier put", "results.llama_redis_put_gbps", "limits.llama_raw_redis_set_gbps"),
+    ("tiers", "Redis tier get", "results.llama_redis_get_gbps", "limits.llama_raw_redis_get_gbps"),
+    ("transfer", "transfer TCP", "results.tcp_gbps", "limits.raw_socket_gbps"),
+    ("transfer", "transfer shared memory", "results.shm_gbps", "limits.memcpy_gbps"),
+)
+
+
+def _throughput_vs_limit(f: dict[str, Fields]) -> Figure | None:
+    bars: list[tuple[str, float, float]] = []
+    for suite, label, measured, limit in THROUGHPUT_PAIRS:
+        if suite not in f:
+            continue
+        m, lim = f[suite].num(measured), f[suite].num(limit)
+        if m is not None and lim is not None:
+            bars.append((label, m, lim))
+    if not bars:
+        return None
+    fig, (ax,) = _figure(1, width=8.0, height=0.45 * len(bars) + 1.2)
+    ys = list(range(len(bars)))[::-1]
+    ax.barh([y + 0.2 for y in ys], [b[2] for b in bars], height=0.38, color="#c8c8c8", label="physical limit")
+    ax.barh([y - 0.2 for y in ys], [b[1] for b in bars], height=0.38, color="#3b75af", label="kvport")
+    for y, (_, m, lim) in zip(ys, bars, strict=True):
+        ax.text(m, y - 0.2, f" {m:.2f} ({m / lim:.2f}x)" if lim else f" {m:.2f}", va="center", fontsize=8)
+    ax.set_yticks(ys, [b[0] for b in bars])
+    ax.set_xlabel("GB/s (same run, same bytes)")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    return fig
+
+
+# ---------------------------------------------------------------------- codec size against quality
+def _codec_size_quality(f: dict[str, Fields]) -> Figure | None:
+    codecs = f["codec"].get("results.codecs")
+    if not isinstance(codecs, dict) or not codecs:
+        return None
+    fig, (ax,) = _figure(1, width=6.4, height=4.0)
+    drawn = False
+    for text, marker in (("prose", "o"), ("code", "s")):
+        pts = []
+        for name, r in sorted(codecs.items()):
+            if not isinstance(r, dict):
+                continue
+            x, y = _num(r.get(f"ppl_delta_pct_{text}")), _num(r.get("ratio"))
+            if x is None or y is None:
+                f["codec"].missing.append(f"codec: results.codecs.{name}.ppl_delta_pct_{text} / ratio")
+                continue
+            pts.append((x, y, name))
+        if pts:
+            drawn = True
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=f"perplexity change, {text}")
+            for x, y, name in pts:
+                ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.axvline(0.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("perplexity change on the reference model (%)")
+    ax.set_ylabel("size ratio (raw bytes / encoded)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+# ---------------------------------------------------------------------- overload over time
+def _overload_over_time(f: dict[str, Fields]) -> Figure | None:
+    t = f["transfer"]
+    runs = []
+    for key, label in (("overload", "with backpressure"), ("overload_no_backpressure", "without backpressure")):
+        line = t.get(f"results.{key}.timeline")
+        if isinstance(line, dict) and line.get("t_s"):
+            runs.append((label, line, t.get(f"results.{key}", {})))
+    if not runs:
+        return None
+    fig, (mem, good) = _figure(2, width=4.8)
+    for label, line, _ in runs:
+        xs = line.get("t_s") or []
+        mem.plot(xs, [b / 2**20 for b in line.get("memory_bytes") or []][: len(xs)], label=label)
+        good.plot(xs, (line.get("goodput_mbps") or [])[: len(xs)], label=label)
+    run0 = runs[0][2]
+    budget, cap = _num(run0.get("budget_bytes")), _num(run0.get("capacity_mbps"))
+    if budget is not None:
+        mem.axhline(budget / 2**20, color="black", linestyle="--", linewidth=0.8, label="receive budget")
+    if cap is not None:
+        good.axhline(cap, color="black", linestyle="--", linewidth=0.8, label="consumer capacity")
+    mem.set_title("memory held by the receiver")
+    mem.set_ylabel("MiB")
+    good.set_title("goodput (consumed, intact)")
+    good.set_ylabel("MB/s")
+    for ax in (mem, good):
+        ax.set_xlabel("seconds")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return fig
+
+
+# ---------------------------------------------------------------------- the demo per turn
+def _demo_ttft_per_turn(f: dict[str, Fields]) -> Figure | None:
+    turns = f["demo"].get("results.per_turn")
+    if not isinstance(turns, list) or not turns:
+        return None
+    xs, kv, base = [], [], []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict):
+            continue
+        a, b = _num(t.get("ttft_kvport_s")), _num(t.get("ttft_baseline_s"))
+        if a is None or b is None:
+            f["demo"].missing.append(f"demo: results.per_turn[{i}].ttft_kvport_s / ttft_baseline_s")
+            continue
+        xs.append(i + 1)
+        kv.append(a)
+        base.append(b)
+    if not xs:
+        return None
+    fig, (ax,) = _figure(1, width=min(12.0, 3.0 + 0.35 * len(xs)))
+    ax.bar([x - 0.2 for x in xs], base, width=0.4, color="#c8c8c8", label="recompute (no kvport)")
+    ax.bar([x + 0.2 for x in xs], kv, width=0.4, color="#3b75af", label="kvport")
+    ax.set_yscale("log")
+    ax.set_xlabel("turn, in the order run (round 1 of each session first)")
+    ax.set_ylabel("time to first token (s)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+FIGURES: tuple[FigureSpec, ...] = (
+    FigureSpec("ttft_vs_length", "Time to first token against prompt length", ("planner",),
+               "Each option really run at each length and link speed (medians); circled: what the planner "
+               "chose, online, before running it.", _ttft_vs_length),
+    FigureSpec("hit_rate_vs_capacity", "Prefix-hit rate against capacity, per eviction policy", ("trace",),
+               "Real request traces replayed through the store's eviction; dashed: the offline optimum.",
+               _hit_rate_vs_capacity),
+    FigureSpec("throughput_vs_limit", "Each tier and transport against its physical limit",
+               ("tiers", "transfer"), "The limit is measured in the same run on the same bytes.",
+               _throughput_vs_limit),
+    FigureSpec("codec_size_quality", "KV codecs: size against quality", ("codec",),
+               "Quality measured on the reference model (perplexity change; 0 is lossless).", _codec_size_quality),
+    FigureSpec("overload_over_time", "Memory and goodput over time under 3x overload", ("transfer",),
+               "With backpressure memory stays within the receive budget and nothing is lost; without it the "
+               "receiver fills its physical cap and drops requests.", _overload_over_time),
+    FigureSpec("demo_ttft_per_turn", "The demo: time to first token per turn", ("demo",),
+               "Multi-turn chats and an agent session on the reference model, with kvport's reuse and without.",
+               _demo_ttft_per_turn),
+)
+
+
+def _svg(fig: Figure) -> str:
+    buf = io.StringIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="svg")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def draw_all(inputs: Inputs, figures: Sequence[FigureSpec] = FIGURES) -> list[Drawn]:
+    """Every figure whose suites include one that was read; the others are listed as not run."""
+    out: list[Drawn] = []
+    for spec in figures:
+        present = tuple(s for s in spec.suites if s in inputs.reports)
+        d = Drawn(spec.key, spec.title, present, spec.caption)
+        if not present:
+            d.missing.append(f"not run: kvport bench {' / '.join(spec.suites)}")
+            out.append(d)
+            continue
+        fields = {s: Fields(inputs.reports[s]) for s in present}
+        try:
+            fig = spec.draw(fields)
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:  # a report of an unexpected shape
+            fig = None
+            d.missing.append(f"unreadable fields ({type(exc).__name__}: {exc})")
+        for fl in fields.values():
+            d.missing.extend(fl.missing)
+        if fig is not None:
+            d.svg = _svg(fig)
+        out.append(d)
+    return out
+
+
+def reports_of(inputs: Inputs, d: Drawn) -> list[SuiteReport]:
+    return [inputs.reports[s] for s in d.suites]

@@ -1,0 +1,96 @@
+"""The benchmarks as a Markdown reference: per suite, its current figures, conditions and command.
+
+Written from the suites' JSON alone (no plots, no extra): each section says what the suite measures,
+the command that regenerates it, when, on which commit and CPU, in which mode, and its headline
+figures (:data:`HEADLINES`; a suite without an entry shows its top-level numbers). A figure the
+report lacks reads ``unknown``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import kvport.bench
+from kvport.report.results import Fields, Inputs, SuiteReport
+
+# suite -> (label, field): the figures a reader looks for first
+HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
+    "hash": (("chained keys/s, 16 tokens a block", "results.blocks_per_second_16"),
+             ("vs raw xxh3-128, 16 tokens", "results.vs_raw_hash_16"),
+             ("chained keys/s, 256 tokens a block", "results.blocks_per_second_256"),
+             ("vs raw xxh3-128, 256 tokens", "results.vs_raw_hash_256")),
+    "tiers": (("host put vs memcpy", "results.host_put_vs_memcpy"),
+              ("host get vs memcpy", "results.host_get_vs_memcpy"),
+              ("disk write vs raw disk", "results.disk_write_vs_raw"),
+              ("disk read vs raw disk", "results.disk_read_vs_raw"),
+              ("Redis put vs raw Redis", "results.redis_put_vs_raw"),
+              ("Redis get vs raw Redis", "results.redis_get_vs_raw")),
+    "transfer": (("TCP GB/s", "results.tcp_gbps"), ("TCP vs raw socket", "results.tcp_vs_raw_socket"),
+                 ("shared memory GB/s", "results.shm_gbps"), ("shared memory vs memcpy", "results.shm_vs_memcpy"),
+                 ("layer-wise streamed vs bound", "results.layerwise.streamed_vs_bound"),
+                 ("overload: peak memory / budget (backpressure)", "results.overload.peak_memory_vs_budget"),
+                 ("overload: goodput / capacity (backpressure)", "results.overload.goodput_vs_capacity"),
+                 ("overload: blocks lost (backpressure)", "results.overload.lost_blocks"),
+                 ("overload: blocks lost (no backpressure)", "results.overload_no_backpressure.lost_blocks")),
+    "planner": (("choices within 10% of the best", "results.within_10pct_of_best"),
+                ("max regret", "results.max_regret"),
+                ("static profile: within 10% of the best", "results.static_profile.within_10pct_of_best")),
+    "trace": (("default policy", "results.policy"), ("hit rate / optimum (default)", "results.hit_rate_vs_optimal"),
+              ("mean gain over LRU (of the optimum)", "results.mean_gain_over_lru"),
+              ("worst cell vs LRU", "results.worst_cell_vs_lru"),
+              ("int8 at 10% of bytes vs optimum", "results.int8_same_bytes_10pct_vs_optimal")),
+}
+
+
+def suite_titles() -> dict[str, str]:
+    """What each suite measures, from the bench package's module map (one source for both)."""
+    out: dict[str, str] = {}
+    for line in (kvport.bench.__doc__ or "").splitlines():
+        m = re.match(r"^    ([a-z_]+)\s{2,}(\S.*)$", line)
+        if m:
+            out[m.group(1)] = m.group(2).strip()
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "unknown"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _rows(rep: SuiteReport) -> list[tuple[str, str]]:
+    f = Fields(rep)
+    spec = HEADLINES.get(rep.suite)
+    if spec is None:
+        return [(k, _fmt(v)) for k, v in rep.results.items() if isinstance(v, int | float | str | bool)][:24]
+    return [(label, _fmt(f.get(path))) for label, path in spec]
+
+
+def section(rep: SuiteReport, titles: dict[str, str]) -> str:
+    lines = [f"## {rep.suite}: {titles.get(rep.suite, 'suite')}", ""]
+    cmd = rep.conditions.get("command")
+    lines.append(f"Regenerate: `{cmd}`" if cmd else "Regenerate: unknown (the report does not name its command)")
+    lines += ["", rep.summary(), ""]
+    lines += [f"> {n}" for n in rep.notes] + ([""] if rep.notes else [])
+    lines += ["| figure | value |", "|---|---|"]
+    lines += [f"| {label} | {value} |" for label, value in _rows(rep)]
+    return "\n".join(lines) + "\n"
+
+
+def render(inputs: Inputs, order: Sequence[str] | None = None, intro: str = "") -> str:
+    titles = suite_titles()
+    names = [s for s in (order or sorted(inputs.reports)) if s in inputs.reports]
+    parts = ["# Benchmarks", "",
+             intro or ("The current figures of each suite, written by `kvport report --markdown` from the suites' "
+                       "JSON. Each section names its conditions and the command that regenerates it; a figure "
+                       "a report lacks reads *unknown*. Older figures live in git history."), ""]
+    parts += [section(inputs.reports[s], titles) for s in names]
+    if inputs.refused:
+        parts += ["## Files not read", ""] + [f"- `{p}`: {why}" for p, why in inputs.refused] + [""]
+    return "\n".join(parts)

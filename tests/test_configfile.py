@@ -219,3 +219,16 @@ def test_not_toml_is_one_problem_with_its_line(tmp_path: Path) -> None:
 def test_no_file_gives_the_defaults() -> None:
     kv = load_config(None, {})
     assert kv == KVPortConfig(given=frozenset())
+
+
+def test_hostile_files_are_problems_not_crashes_and_secrets_are_never_echoed(tmp_path: Path) -> None:
+    deep = write(tmp_path, "x = " + "[" * 5000 + "]" * 5000 + "\n")
+    assert any("nested too deeply" in p or "not valid TOML" in p for p in problems(deep))
+    with pytest.raises(ConfigFileError, match="larger than"):
+        load_config("/dev/zero", env={})
+    odd = write(tmp_path, '[server]\nlisten = "127.0.0.1:\u00b2"\nauth_token_env = "s3cr3t-t0ken-value!"\n'
+                          '[tiers.host]\ncapacity = false\n[tiers.remote]\nredis = "http://u:pw@h"\n')
+    found = problems(odd, env={"KVPORT_SERVER_CAPACITY": "\u00b2"})
+    text = "\n".join(found)
+    assert "server.listen" in text and "tiers.host.capacity" in text and "KVPORT_SERVER_CAPACITY" in text
+    assert "s3cr3t" not in text and "pw@" not in text  # a token pasted in the wrong key is not printed back

@@ -23,7 +23,14 @@ TOKENS = {"CHAT_TOKEN": "chat-secret-token", "OPS_TOKEN": "ops-secret-token"}
 def test_the_example_file_passes_the_check(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["config", "check", str(EXAMPLE), "--no-env"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"OK: {EXAMPLE}\n") and "tenants    chat (quota 4.00 GiB), ops admin" in out
+    assert out.startswith(f"OK: {EXAMPLE}\n") and "tenants    one default tenant" in out
+    # one file for serve and the engines: the tenant the engines log in as is one the server has
+    from kvport.configfile import load_config
+
+    server = load_config(EXAMPLE, role="server", env={})
+    engine = load_config(EXAMPLE, role="engine", env={})
+    names = {t.name for t in server.tenants} if server.tenants else {"default"}
+    assert engine.tiers.remote.tenant in names
 
 
 def test_check_names_every_problem_with_its_line_and_key_and_exits_2(tmp_path: Path,

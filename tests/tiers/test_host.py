@@ -3,7 +3,6 @@ import pytest
 
 from kvport.errors import BlockNotFoundError, BufferMismatchError, TierError, TierFullError
 from kvport.tiers import HostTier
-from kvport.tiers.host import GROW_BYTES
 
 K1, K2, K3 = b"1" * 16, b"2" * 16, b"3" * 16
 
@@ -118,19 +117,18 @@ def test_large_pool_is_backed_by_huge_pages_and_round_trips() -> None:
     t.close()
 
 
-def test_growing_pool_faults_in_steps_past_its_highest_page_and_keeps_data() -> None:
+def test_a_growing_pool_is_resident_up_to_its_highest_page_and_keeps_data() -> None:
     page = 1 << 20
-    tier = HostTier(256 * page, page, prefault=False)
-    assert tier.resident_bytes == 0  # mapped, nothing faulted in: an idle pool costs nothing
+    tier = HostTier(256 * page, page, prefault=False, pin=False)
+    assert tier.resident_bytes == 0  # mapped, nothing touched: an idle pool costs nothing
     tier.put(b"a", b"x" * 100)
-    step = GROW_BYTES // page
-    assert tier.resident_bytes == step * page
-    keys = [bytes([i]) * 4 for i in range(step + 3)]  # past the first step: the next one is faulted in
+    assert tier.resident_bytes == page
+    keys = [bytes([i]) * 4 for i in range(40)]
     tier.put_many([(k, k * 8) for k in keys])
-    assert tier.resident_bytes == 2 * step * page
+    assert tier.resident_bytes == 41 * page
     assert tier.get(b"a") == b"x" * 100 and all(tier.get(k) == k * 8 for k in keys)
     for k in keys:  # freed pages are reused first: refilling the same amount does not grow it
         tier.delete(k)
     tier.put_many([(k + b"!", k) for k in keys])
-    assert tier.resident_bytes == 2 * step * page
-    assert HostTier(4 * page, page).resident_bytes == 4 * page  # the default faults everything in at start
+    assert tier.resident_bytes == 41 * page
+    assert HostTier(4 * page, page, pin=False).resident_bytes == 4 * page  # the default: all of it at start

@@ -9,12 +9,23 @@ Prints ``OK`` and what the file sets up, or one line per problem on stderr and e
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit, urlunsplit
+
 import click
 
 from kvport.config import environ
 from kvport.configfile import KEYS, ROLES, ConfigFileError, KVPortConfig, env_name, join_address, load_config
 from kvport.units import format_bytes
 
+
+def redact_url(url: str) -> str:
+    """A URL as it may be printed: its password (``redis://user:PASS@host``) replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:" if parts.username else ":"
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}***@{host}"))
 
 @click.group(name="config")
 def config_group() -> None:
@@ -58,7 +69,7 @@ def summary(kv: KVPortConfig) -> list[str]:
         e.name + (f" (quota {format_bytes(e.quota_bytes)})" if e.quota_bytes else "") + (" admin" if e.admin else "")
         for e in kv.tenants)
     remote = [f"kvport serve {join_address(t.remote.server)}" if t.remote.server else "",
-              f"redis {t.remote.redis}" if t.remote.redis else ""]
+              f"redis {redact_url(t.remote.redis)}" if t.remote.redis else ""]
     return [
         f"server     listen {join_address(s.listen)}, capacity {format_bytes(s.capacity_bytes)}, {disk}, "
         f"page {format_bytes(s.page_bytes)}, TLS {'on' if s.tls else 'off'}, {auth}",

@@ -70,9 +70,9 @@ def parse_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
 @click.option("--eviction", default=DEFAULT_POLICY, show_default=True, type=click.Choice(sorted(POLICIES)),
               help="eviction policy of the host and disk tiers (kvport.store.eviction)")
 @click.option("--no-spill", is_flag=True, help="on shutdown, do not move host blocks to disk")
-@click.option("--prefault", is_flag=True,
+@click.option("--prefault/--no-prefault", default=False, show_default=True,
               help="fault the whole host pool in at start (resident from the first second, no page faults on "
-                   "puts); default: the pool becomes resident as it fills, 64 MiB at a time")
+                   "puts); --no-prefault: the pool becomes resident as it fills")
 @click.option("--io-threads", default=DEFAULT_IO_THREADS, show_default=True, type=click.IntRange(0, 64),
               help="threads that move large payloads (0: all I/O on the event loop thread)")
 def serve_cmd(listen: str, capacity: int, disk_dir: str | None, disk_capacity: int | None, page_size: int,

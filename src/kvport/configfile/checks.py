@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -14,6 +15,13 @@ from kvport.configfile.reader import FileReader
 from kvport.configfile.schema import LimitsSection, ServerSection
 from kvport.protocol.net import is_loopback
 
+
+def _is(path: Path, test: Callable[[Path], bool]) -> bool:
+    """``test(path)``, False where the answer cannot be read (a folder on the way this user may not enter)."""
+    try:
+        return test(path)
+    except OSError:
+        return False
 
 def check_across(r: FileReader, file: Path | None) -> None:
     v = r.values
@@ -27,8 +35,8 @@ def check_across(r: FileReader, file: Path | None) -> None:
         given, missing = ("server.tls.cert", "key") if "server.tls.cert" in v else ("server.tls.key", "cert")
         r.at(given, f"given without server.tls.{missing}: a TLS listener needs both")
     for key in ("server.tls.cert", "server.tls.key"):
-        if r.serving and key in v and not v[key].is_file():
-            r.at(key, f"{str(v[key])!r} is not a file" + ("" if v[key].exists() else " (not found)"))
+        if r.serving and key in v and not _is(v[key], Path.is_file):
+            r.at(key, f"{str(v[key])!r} is not a file" + ("" if _is(v[key], Path.exists) else " (not found)"))
     host = v.get("server.listen", ServerSection().listen)[0]
     if tenants is not None and ("server.auth_token" in r.in_file or "server.auth_token_env" in v):
         r.at("server.auth_token" if "server.auth_token" in v else "server.auth_token_env",
@@ -89,7 +97,7 @@ def _check_room(r: FileReader) -> None:
         if folder not in v or key not in v or not (r.serving if key.startswith("server.") else r.engine):
             continue
         place = Path(v[folder])
-        while not place.exists() and place != place.parent:  # the filesystem the folder will be made on
+        while not _is(place, Path.exists) and place != place.parent:  # the filesystem the folder will be made on
             place = place.parent
         try:
             usage = shutil.disk_usage(place)

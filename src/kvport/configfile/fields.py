@@ -43,7 +43,7 @@ class Size(Kind):
     what = "a size such as \"8GiB\""
 
     def parse(self, value: Any) -> int:
-        if self.zero and value in (0, "0"):
+        if self.zero and ((type(value) is int and value == 0) or value == "0"):  # not False, not 0.0
             return 0
         if isinstance(value, bool) or not isinstance(value, int | str):
             raise Bad(f"expected a size such as \"8GiB\" or an integer of bytes, got {value!r}")
@@ -55,12 +55,12 @@ class Size(Kind):
             raise Bad(str(exc)) from None
         if n < self.least:
             hint = " (a unit missing? sizes without a unit are bytes)" if isinstance(value, int) or \
-                str(value).strip().isdigit() else ""
+                str(value).strip().isdecimal() else ""
             raise Bad(f"{value!r} is {format_bytes(n)}: at least {format_bytes(self.least)} expected{hint}")
         return n
 
     def from_text(self, text: str) -> int:
-        return self.parse(int(text) if text.strip().isdigit() else text)
+        return self.parse(int(text) if text.strip().isascii() and text.strip().isdecimal() else text)
 
 
 @dataclass(frozen=True)
@@ -119,12 +119,14 @@ class Boolean(Kind):
 class Text(Kind):
     pattern: str | None = None  # a full match, when given
     hint: str = ""
+    secret: bool = False  # a token, or where one may be pasted by mistake: never echoed in a message
 
     def parse(self, value: Any) -> str:
+        shown = "the value given" if self.secret else repr(value)
         if not isinstance(value, str) or not value:
-            raise Bad(f"expected a non-empty string, got {value!r}")
+            raise Bad(f"expected a non-empty string, got {shown if self.secret else repr(value)}")
         if self.pattern is not None and not re.fullmatch(self.pattern, value):
-            raise Bad(f"{value!r}: expected {self.hint}")
+            raise Bad(f"{shown}: expected {self.hint}")
         return value
 
 
@@ -150,7 +152,7 @@ class Address(Kind):
 
     def parse(self, value: Any) -> tuple[str, int]:
         host, sep, port = str(value).rpartition(":") if isinstance(value, str) else ("", "", "")
-        if not sep or not host or not port.isdigit() or not self.least_port <= int(port) < 65536:
+        if not sep or not host or not (port.isascii() and port.isdecimal()) or not self.least_port <= int(port) < 65536:
             raise Bad(f"expected HOST:PORT (port {self.least_port}..65535), got {value!r}")
         return host.strip("[]"), int(port)
 
@@ -202,4 +204,4 @@ class DeadlineText(Kind):
             raise Bad(f"{value!r}: {exc}") from None
 
 
-ENV_NAME = Text(r"[A-Za-z_][A-Za-z0-9_]*", "the name of an environment variable")
+ENV_NAME = Text(r"[A-Za-z_][A-Za-z0-9_]*", "the name of an environment variable", secret=True)

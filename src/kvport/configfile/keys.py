@@ -44,7 +44,7 @@ KEYS: dict[str, Kind] = {
     "server.io_threads": Integer(0, 64),
     "server.spill_on_shutdown": Boolean(),
     "server.prefault": Boolean(),
-    "server.auth_token": Text(),
+    "server.auth_token": Text(secret=True),
     "server.auth_token_env": ENV_NAME,
     "server.tls.cert": PathText(),  # a file: checked where the server runs (ROLES)
     "server.tls.key": PathText(),
@@ -54,7 +54,7 @@ KEYS: dict[str, Kind] = {
     "tiers.disk.capacity": Size(MiB),
     "tiers.disk.codec": Choice(codec_ids),
     "tiers.remote.server": Address(1),
-    "tiers.remote.redis": Text(r"(rediss?|unix)://.+", "a Redis URL (redis://HOST:PORT/DB)"),
+    "tiers.remote.redis": Text(r"(rediss?|unix)://.+", "a Redis URL (redis://HOST:PORT/DB)", secret=True),
     "tiers.remote.tenant": Text(TENANT_NAME, "a tenant name (1-64 printable characters, no '/')"),
     "tiers.remote.write": Choice(lambda: ("behind", "through")),
     "tiers.remote.codec": Choice(codec_ids),
@@ -76,7 +76,7 @@ KEYS: dict[str, Kind] = {
 }
 TENANT_KEYS: dict[str, Kind] = {
     "name": Text(TENANT_NAME, "1-64 printable characters, no '/'"),
-    "token": Text(),
+    "token": Text(secret=True),
     "token_env": ENV_NAME,
     "quota": Size(MiB),
     "admin": Boolean(),

@@ -47,6 +47,8 @@ class ConfigFileError(ConfigError):
         super().__init__(f"{head}: {len(problems)} problem(s):\n" + "\n".join(f"  {p}" for p in problems))
 
 
+MAX_FILE_BYTES = 1 << 20  # a config file is kilobytes: anything larger (or /dev/zero) is refused unread
+
 def load_config(path: Path | str | None, env: Mapping[str, str] | None = None, role: str = "all") -> KVPortConfig:
     """The file at ``path`` (None: no file) with ``KVPORT_*`` variables applied; raises
     :class:`ConfigFileError` naming every problem. ``env``: the variables (default: this process's,
@@ -59,12 +61,18 @@ def load_config(path: Path | str | None, env: Mapping[str, str] | None = None, r
     text = ""
     if file is not None:
         try:
-            text = file.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
+            with open(file, "rb") as f:
+                raw = f.read(MAX_FILE_BYTES + 1)
+            if len(raw) > MAX_FILE_BYTES:
+                raise ValueError(f"larger than {MAX_FILE_BYTES} bytes: not a config file")
+            text = raw.decode("utf-8")
+        except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
             raise ConfigFileError([Problem(str(file), None, "(file)", f"cannot read: {exc}")]) from exc
     r = FileReader(file, text, e, role)
     try:
         doc = tomllib.loads(text)
+    except RecursionError:
+        raise ConfigFileError([Problem(str(file), None, "(syntax)", "nested too deeply")]) from None
     except tomllib.TOMLDecodeError as exc:
         at = re.search(r"at line (\d+)", str(exc))  # Python < 3.14 keeps the line only in the message
         line = int(at.group(1)) if at else None

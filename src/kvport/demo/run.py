@@ -35,6 +35,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvport.bench.harness import conditions
+from kvport.bench.run import source_commit
 from kvport.codec.envelope import stored_bytes
 from kvport.config import Settings
 from kvport.demo.report import Turn, render, summarize
@@ -233,7 +235,9 @@ def run(opts: DemoOptions | None = None, json_path: Path | None = None,
             for w in workers:
                 w.stop()
             shared.stop()
-    cond = {"model": "SmolLM2-135M-Instruct fp32 (transformers)", "users": wl.users, "rounds": wl.rounds,
+    cond = {**conditions(), "mode": "full", "commit": source_commit(),
+            "command": f"kvport demo --users {wl.users} --rounds {wl.rounds} --max-new-tokens {wl.max_new_tokens}",
+            "model": "SmolLM2-135M-Instruct fp32 (transformers)", "users": wl.users, "rounds": wl.rounds,
             "sessions": {s.name: s.kind.value for s in wl.sessions}, "excerpt_lines": opts.excerpt_lines,
             "max_new_tokens": wl.max_new_tokens, "threads_per_process": opts.threads,
             "baseline": "the same sessions in the router process, plain transformers, full prefill every turn, "

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvport.extras import require
-from kvport.report.results import Fields, Inputs, SuiteReport
+from kvport.report.results import Fields, Inputs, SuiteReport, finite
 
 try:
     import matplotlib
@@ -62,8 +62,12 @@ class FigureSpec:
     draw: Draw
 
 
-def _num(v: object) -> float | None:
-    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+_num = finite
+MAX_PANELS = 6  # panels of one figure (link speeds, traces): a report asking for more shows the first ones
+
+
+def _dict(v: object) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
 
 
 def _figure(n: int = 1, width: float = 5.2, height: float = 3.6) -> tuple[Figure, Sequence[Any]]:
@@ -78,6 +82,7 @@ def _ttft_vs_length(f: dict[str, Fields]) -> Figure | None:
     if not isinstance(cells, list) or not cells:
         return None
     bws = sorted({b for c in cells if isinstance(c, dict) and (b := _num(c.get("bandwidth_mbps"))) is not None})
+    bws = bws[:MAX_PANELS]
     if not bws:
         p.missing.append("planner: results.cells[].bandwidth_mbps")
         return None
@@ -86,14 +91,14 @@ def _ttft_vs_length(f: dict[str, Fields]) -> Figure | None:
         cs = sorted((c for c in cells if isinstance(c, dict) and _num(c.get("bandwidth_mbps")) == bw),
                     key=lambda c: _num(c.get("tokens")) or 0)
         for option, style in (("recompute", "o-"), ("load", "s-"), ("split", "^--")):
-            pts = [(_num(c.get("tokens")), _num((c.get("measured_s") or {}).get(option))) for c in cs]
+            pts = [(_num(c.get("tokens")), _num(_dict(c.get("measured_s")).get(option))) for c in cs]
             pts = [(x, y) for x, y in pts if x is not None and y is not None]
             if pts:
                 ax.plot(*zip(*pts, strict=True), style, label=option, markersize=4)
         chosen = []
         for c in cs:
-            action = str((c.get("online") or {}).get("action", "")).split(":")[0]
-            x, y = _num(c.get("tokens")), _num((c.get("measured_s") or {}).get(action))
+            action = str(_dict(c.get("online")).get("action", "")).split(":")[0]
+            x, y = _num(c.get("tokens")), _num(_dict(c.get("measured_s")).get(action))
             if x is not None and y is not None:
                 chosen.append((x, y))
         if chosen:
@@ -140,7 +145,7 @@ def trace_tables(t: Fields) -> dict[str, dict[str, dict[str, Any]]]:
 
 
 def _hit_rate_vs_capacity(f: dict[str, Fields]) -> Figure | None:
-    tables = {k: v for k, v in trace_tables(f["trace"]).items() if v}
+    tables = dict(sorted((k, v) for k, v in trace_tables(f["trace"]).items() if v)[:MAX_PANELS])
     if not tables:
         return None
     fig, axes = _figure(len(tables), width=4.8)
@@ -339,13 +344,15 @@ def draw_all(inputs: Inputs, figures: Sequence[FigureSpec] = FIGURES) -> list[Dr
         fields = {s: Fields(inputs.reports[s]) for s in present}
         try:
             fig = spec.draw(fields)
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:  # a report of an unexpected shape
-            fig = None
-            d.missing.append(f"unreadable fields ({type(exc).__name__}: {exc})")
+            if fig is not None:
+                d.svg = _svg(fig)
+        except Exception as exc:
+            d.svg = None
+            d.missing.append(f"unreadable fields ({type(exc).__name__}: {str(exc)[:200]})")
+        finally:
+            plt.close("all")
         for fl in fields.values():
             d.missing.extend(fl.missing)
-        if fig is not None:
-            d.svg = _svg(fig)
         out.append(d)
     return out
 

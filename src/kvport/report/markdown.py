@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import kvport.bench
-from kvport.report.results import Fields, Inputs, SuiteReport
+from kvport.report.results import Fields, Inputs, SuiteReport, finite
 
 # suite -> (label, field): the figures a reader looks for first
 HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
@@ -46,7 +46,8 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
 
 def suite_titles() -> dict[str, str]:
     """What each suite measures, from the bench package's module map (one source for both)."""
-    out: dict[str, str] = {}
+    out: dict[str, str] = {"demo": "the main job: long chats and agent sessions, prefill/decode disaggregation "
+                                   "with kvport against recomputing (kvport demo --json)"}
     for line in (kvport.bench.__doc__ or "").splitlines():
         m = re.match(r"^    ([a-z_]+)\s{2,}(\S.*)$", line)
         if m:
@@ -59,27 +60,65 @@ def _fmt(v: Any) -> str:
         return "unknown"
     if isinstance(v, bool):
         return "yes" if v else "no"
-    if isinstance(v, float):
-        return f"{v:.4g}"
+    if isinstance(v, int | float):
+        f = finite(v)
+        return "unknown" if f is None else (f"{f:.4g}" if isinstance(v, float) else str(v))
     return str(v)
+
+
+def _cell(text: str) -> str:
+    """A table cell: one line, no column break, bounded."""
+    return " ".join(text.split()).replace("|", "\\|")[:200]
+
+
+def _codec_rows(rep: SuiteReport) -> list[tuple[str, str]]:
+    codecs = rep.results.get("codecs")
+    rows = []
+    for name, r in sorted(codecs.items()) if isinstance(codecs, dict) else []:
+        if isinstance(r, dict):
+            rows.append((f"{name}: size ratio, perplexity change prose / code (%), encode / decode GB/s",
+                         " / ".join(_fmt(r.get(k)) for k in ("ratio", "ppl_delta_pct_prose", "ppl_delta_pct_code",
+                                                             "encode_gbps", "decode_gbps"))))
+    return rows
+
+
+def _trace_rows(rep: SuiteReport) -> list[tuple[str, str]]:
+    traces = rep.results.get("traces")
+    policy = rep.results.get("policy")
+    rows = []
+    for name, tab in sorted(traces.items()) if isinstance(traces, dict) else []:
+        cells = tab.get("capacities") if isinstance(tab, dict) else None
+        for cap, row in cells.items() if isinstance(cells, dict) else []:
+            if isinstance(row, dict):
+                rows.append((f"{name} at {cap}: optimum, {policy} / optimum, lru / optimum",
+                             " / ".join(_fmt(row.get(k)) for k in ("optimal_hit_rate", f"{policy}_vs_optimal",
+                                                                   "lru_vs_optimal"))))
+    return rows
+
+
+EXPANDED = {"codec": _codec_rows, "trace": _trace_rows}
 
 
 def _rows(rep: SuiteReport) -> list[tuple[str, str]]:
     f = Fields(rep)
     spec = HEADLINES.get(rep.suite)
     if spec is None:
-        return [(k, _fmt(v)) for k, v in rep.results.items() if isinstance(v, int | float | str | bool)][:24]
-    return [(label, _fmt(f.get(path))) for label, path in spec]
+        rows = [(k, _fmt(v)) for k, v in rep.results.items() if isinstance(v, int | float | str | bool)][:24]
+    else:
+        rows = [(label, _fmt(f.get(path))) for label, path in spec]
+    more = EXPANDED.get(rep.suite)
+    return rows + (more(rep) if more else [])
 
 
 def section(rep: SuiteReport, titles: dict[str, str]) -> str:
-    lines = [f"## {rep.suite}: {titles.get(rep.suite, 'suite')}", ""]
+    lines = [f"## {rep.suite}: {_cell(titles.get(rep.suite, 'suite'))}", ""]
     cmd = rep.conditions.get("command")
-    lines.append(f"Regenerate: `{cmd}`" if cmd else "Regenerate: unknown (the report does not name its command)")
-    lines += ["", rep.summary(), ""]
-    lines += [f"> {n}" for n in rep.notes] + ([""] if rep.notes else [])
+    lines.append(f"Regenerate: `{_cell(str(cmd)).replace('`', '')}`" if cmd else
+                 "Regenerate: unknown (the report does not name its command)")
+    lines += ["", _cell(rep.summary()), ""]
+    lines += [f"> {_cell(n)}" for n in rep.notes] + ([""] if rep.notes else [])
     lines += ["| figure | value |", "|---|---|"]
-    lines += [f"| {label} | {value} |" for label, value in _rows(rep)]
+    lines += [f"| {_cell(label)} | {_cell(value)} |" for label, value in _rows(rep)]
     return "\n".join(lines) + "\n"
 
 

@@ -53,8 +53,9 @@ class SuiteReport:
             return "unknown" if v is None else str(v)
 
         start, end = c.get("loadavg_start"), c.get("loadavg_end")
-        load = (f"{start[0]:.2f} -> {end[0]:.2f}" if isinstance(start, list) and isinstance(end, list)
-                and start and end and all(isinstance(x, int | float) for x in (start[0], end[0])) else "unknown")
+        a = finite(start[0]) if isinstance(start, list) and start else None
+        b = finite(end[0]) if isinstance(end, list) and end else None
+        load = f"{a:.2f} -> {b:.2f}" if a is not None and b is not None else "unknown"
         return (f"mode {val('mode')}, {val('started')}, commit {val('commit')}, {val('cpu')} "
                 f"({val('cpu_count')} cores, {val('cpu_isa')}, memops {val('memops')}), load {load}")
 
@@ -124,6 +125,18 @@ def load(paths: Iterable[Path]) -> Inputs:
     return out
 
 
+def finite(v: object) -> float | None:
+    """``v`` as a finite float, or None: not a number, a bool, NaN, an infinity, or an integer too large
+    for a float (JSON allows 10**400) -- the one reading of a number the report trusts."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
 class Fields:
     """Field lookups for one figure, remembering every field that was missing or not a number.
 
@@ -148,8 +161,7 @@ class Fields:
         v = self.get(dotted, need=need)
         if v is None:
             return None
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            if need:
-                self.missing.append(f"{self.rep.suite}: {dotted} (not a number: {v!r})")
-            return None
-        return float(v)
+        f = finite(v)
+        if f is None and need:
+            self.missing.append(f"{self.rep.suite}: {dotted} (not a finite number: {str(v)[:40]})")
+        return f

@@ -8,9 +8,11 @@ Memory: ``capacity_bytes`` is the whole process's budget, not just the host pool
                every tenant at its cap needs less; charged before a record is made)
              + scratch (1 MiB) + host pool (the rest, mapped once)
 
-The host pool is resident as it fills (an idle server holds its baseline and a first 64 MiB step,
-not its capacity), or from the start with ``prefault`` (``kvport serve --prefault``): the pages
-fault in once either way, at start or on the puts that first reach them.
+The host pool is resident as it fills (an idle server holds its baseline, not its capacity), or from
+the start with ``prefault`` (``kvport serve --prefault``): the pages fault in once either way, at
+start or in the copies of the puts that first reach them. A capacity over what the machine has
+available is logged at start (without ``prefault`` such a server would be killed by the kernel when
+it fills, not refused when it starts).
 
 Storage is one :class:`~kvport.store.TieredStore` plus its ledger (:mod:`kvport.server.storage`):
 the server keeps no pins, leases, quotas or placement of its own.

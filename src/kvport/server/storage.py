@@ -67,11 +67,27 @@ class Attrs:
 
 @contextmanager
 def _allocating(nbytes: int, flag: str) -> Iterator[None]:
-    """The host pool is allocated (and pre-faulted) at start: a size the machine cannot map is the flag's fault."""
+    """The host pool is mapped at start (and faulted in with ``prefault``): a size the machine cannot map is the
+    flag's fault."""
     try:
         yield
     except (OSError, OverflowError, MemoryError) as exc:
         raise ConfigError(f"{flag}: cannot allocate a host pool of {nbytes} bytes: {exc}") from exc
+
+
+def available_memory() -> int | None:
+    """Bytes this process could still make resident: the machine's available memory, or less under a cgroup
+    v2 limit (its ``memory.max`` less its current use); None when neither can be read."""
+    room: int | None = int(psutil.virtual_memory().available)
+    try:
+        text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+    except (OSError, ValueError):
+        return room
+    if text.isdecimal():
+        limit_room = max(0, int(text) - used)
+        room = limit_room if room is None else min(room, limit_room)
+    return room
 
 
 def host_pool_bytes(capacity_bytes: int, inflight_bytes: int, page_bytes: int) -> int:
@@ -104,6 +120,11 @@ def open_storage(host_bytes: int, page_bytes: int, disk_dir: Path | None, disk_c
     and grows resident as it fills (:class:`~kvport.tiers.host.HostTier`)."""
     with _allocating(host_bytes, "--capacity"):
         pool = HostTier(host_bytes, page_bytes, pin=False, name="server-host", prefault=prefault)
+    room = None if prefault else available_memory()  # mapped, not resident: the machine may not hold it all
+    if room is not None and host_bytes > room:
+        log.warning("--capacity: a host pool of %d bytes over the %d bytes this machine (or its cgroup) has "
+                    "available: it grows as it fills, and the kernel may kill the server when it does "
+                    "(--prefault claims it at start instead)", host_bytes, room)
     host = PagedTier(pool, page_bytes, name=HOST, max_value_bytes=max_value_bytes)
     tiers = [host]
     if disk_dir is not None:

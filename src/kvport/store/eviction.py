@@ -45,6 +45,7 @@ from collections import OrderedDict
 
 from kvport.errors import ConfigError
 
+MAX_HISTORY_KEYS = 1 << 20  # fslru's remembered counts per tier, at most (a key and a count: ~140 bytes each)
 
 class EvictionPolicy(abc.ABC):
     name: str
@@ -127,7 +128,8 @@ class FrequencySLRUPolicy(EvictionPolicy):
     """``slru`` with use counts that outlive residency, aging, and a self-tuning probation.
 
     State, all bounded by (blocks held) = ``n``: ``_uses`` (the n resident keys' counts), ``_history``
-    (at most ``history`` x n counts of keys that left, oldest dropped first). Work: O(1) per call
+    (at most ``history`` x n counts of keys that left, and never more than :data:`MAX_HISTORY_KEYS`:
+    ~140 MB at most, whatever the tier's size; oldest dropped first). Work: O(1) per call
     plus one halving pass over both every ``aging`` x n calls (amortised O(1 + history / aging))."""
 
     name = "fslru"
@@ -216,7 +218,7 @@ class FrequencySLRUPolicy(EvictionPolicy):
             return
         self._history[key] = uses
         self._history.move_to_end(key)
-        cap = self.history * max(len(self._uses), 1)
+        cap = min(self.history * max(len(self._uses), 1), MAX_HISTORY_KEYS)
         while len(self._history) > cap:
             self._history.popitem(last=False)
 

@@ -21,11 +21,11 @@ until the key is deleted or replaced: callers hold a ledger lease or pin across 
 
 Resident memory: ``prefault=True`` (the default) faults the whole pool in at start, so no put ever
 waits for the kernel (fresh pages fault at ~1 GB/s) and the memory is the tier's from the first
-second. ``prefault=False`` (``kvport serve``'s default) maps the pool without touching it and faults
-it in as it fills, :data:`GROW_BYTES` at a time past the highest page handed out so far: an idle
-pool costs next to nothing, a filling one pays the faults once, in steps (pages are handed out
-lowest first and freed pages are reused first, so the resident part only grows when the tier holds
-more than it ever did). ``resident_bytes`` says how much is faulted in.
+second. ``prefault=False`` (``kvport serve``'s default) maps the pool without touching it: a page
+faults in when a put first writes it, in that put's copy (outside the tier's lock, on whichever
+thread copies). An idle pool costs next to nothing; a filling one pays each page's fault once
+(pages are handed out lowest first and freed pages are reused first, so the resident part only grows
+when the tier holds more than it ever did). ``resident_bytes`` is that high-water mark.
 
 Hot path (measured by ``kvport bench tiers`` against numpy memcpy of the same bytes): one
 ``memoryview`` slice assignment per value, under a lock that only guards the page tables.
@@ -80,7 +80,6 @@ def _copy_runs(dsts: list[memoryview], srcs: list[memoryview]) -> None:
 
 
 _HUGE_PAGE = 2 << 20
-GROW_BYTES = 64 << 20  # a growing pool (prefault=False) faults in this much past its highest page at a time
 
 
 def _alloc_pool(nbytes: int, pin: bool | None, prefault: bool = True) -> tuple[object, memoryview, bool]:
@@ -122,8 +121,7 @@ class HostTier(Tier):
         self.caps = TierCaps(persistent=False, shared=False, zero_copy_read=True, max_value_bytes=page_bytes,
                              zero_copy_write=True)
         self._owner, self._mv, faulted = _alloc_pool(self.num_pages * page_bytes, pin, prefault)
-        self._resident_pages = self.num_pages if faulted else 0  # pages [0, n) are faulted in
-        self._grow_pages = max(1, GROW_BYTES // page_bytes)
+        self._resident_pages = self.num_pages if faulted else 0  # pages [0, n) have been handed out (or faulted)
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))  # pop() hands out page 0 first
         self._committed: dict[bytes, _Slot] = {}
         self._reserved: dict[bytes, _Slot] = {}
@@ -145,17 +143,12 @@ class HostTier(Tier):
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes of the pool faulted in (the whole pool when it was pre-faulted)."""
+        """Bytes of the pool ever handed out, so resident (the whole pool when it was pre-faulted)."""
         return self._resident_pages * self.page_bytes
 
     def _grow_to(self, page: int) -> None:
-        """Fault pages in through ``page`` (and :data:`GROW_BYTES` more) before it is written; under the lock."""
-        if page < self._resident_pages:
-            return
-        end = min(self.num_pages, max(page + 1, self._resident_pages + self._grow_pages))
-        pb = self.page_bytes
-        np.frombuffer(self._mv[self._resident_pages * pb : end * pb], dtype=np.uint8).fill(0)
-        self._resident_pages = end
+        """Record that ``page`` is handed out (the high-water mark of :attr:`resident_bytes`); under the lock."""
+        self._resident_pages = max(self._resident_pages, page + 1)
 
     # ------------------------------------------------------------------ two-phase zero-copy write
     def reserve(self, key: bytes, nbytes: int) -> memoryview:

@@ -72,7 +72,7 @@ chromium:
 	@command -v chromium >/dev/null || { \
 	  echo "installing chromium (Debian package)"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null; }
-	@chromium --version
+	@chromium --version 2>/dev/null
 
 demo: $(STAMP) model
 	$(VENV)/bin/kvport demo

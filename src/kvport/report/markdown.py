@@ -37,7 +37,7 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
     "planner": (("choices within 10% of the best", "results.within_10pct_of_best"),
                 ("max regret", "results.max_regret"),
                 ("static profile: within 10% of the best", "results.static_profile.within_10pct_of_best")),
-    "trace": (("default policy", "results.policy"), ("hit rate / optimum (default)", "results.hit_rate_vs_optimal"),
+    "trace": (("default policy", "results.policy"),
               ("mean gain over LRU (of the optimum)", "results.mean_gain_over_lru"),
               ("worst cell vs LRU", "results.worst_cell_vs_lru"),
               ("int8 at 10% of bytes vs optimum", "results.int8_same_bytes_10pct_vs_optimal")),

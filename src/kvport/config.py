@@ -76,13 +76,8 @@ class Settings:
 def _deadline_policy(text: str | None) -> DeadlinePolicy:
     if not text:
         return DeadlinePolicy()
-    parts = text.split(":")
     try:
-        lo, factor, hi = (float(p) for p in parts)
-    except ValueError:
-        raise ConfigError(f"KVPORT_LOAD_DEADLINE={text!r}: expected MIN_S:FACTOR:MAX_S, e.g. 1:4:30") from None
-    try:
-        return DeadlinePolicy(lo, factor, hi)
+        return DeadlinePolicy.parse(text)
     except ConfigError as exc:
         raise ConfigError(f"KVPORT_LOAD_DEADLINE={text!r}: {exc}") from None
 

@@ -69,6 +69,15 @@ class DeadlinePolicy:
         if self.min_s > self.max_s:
             raise ConfigError(f"deadline min_s {self.min_s} exceeds max_s {self.max_s}")
 
+    @classmethod
+    def parse(cls, text: object) -> DeadlinePolicy:
+        """``"MIN_S:FACTOR:MAX_S"`` (e.g. ``"1:4:30"``); ConfigError saying what is wrong (callers name the key)."""
+        try:
+            lo, factor, hi = (float(p) for p in str(text).split(":"))
+        except ValueError:
+            raise ConfigError(f"expected MIN_S:FACTOR:MAX_S such as 1:4:30, got {text!r}") from None
+        return cls(lo, factor, hi)
+
     def seconds(self, expected_s: float | None) -> float:
         if expected_s is None or not math.isfinite(expected_s) or expected_s < 0:
             return self.max_s

@@ -195,13 +195,9 @@ class DeadlineText(Kind):
 
     def parse(self, value: Any) -> DeadlinePolicy:
         try:
-            lo, factor, hi = (float(p) for p in str(value).split(":"))
-        except ValueError:
-            raise Bad(f"expected \"MIN_S:FACTOR:MAX_S\" such as \"1:4:30\", got {value!r}") from None
-        try:
-            return DeadlinePolicy(lo, factor, hi)
+            return DeadlinePolicy.parse(value)
         except ConfigError as exc:
-            raise Bad(f"{value!r}: {exc}") from None
+            raise Bad(str(exc)) from None
 
 
 ENV_NAME = Text(r"[A-Za-z_][A-Za-z0-9_]*", "the name of an environment variable", secret=True)

@@ -222,9 +222,8 @@ class ConnectorConfig:
             raise ConfigError(f"kvport_eviction must be one of {', '.join(POLICIES)}, got {eviction!r}")
         deadline = cfg.get("kvport_load_deadline", "1:4:30")
         try:
-            lo, factor, hi = (float(x) for x in str(deadline).split(":"))
-            load_deadline = DeadlinePolicy(lo, factor, hi)
-        except (ValueError, ConfigError) as exc:
+            load_deadline = DeadlinePolicy.parse(deadline)
+        except ConfigError as exc:
             raise ConfigError(f"kvport_load_deadline must be MIN_S:FACTOR:MAX_S, got {deadline!r}: {exc}") from None
         return cls(
             load_deadline=load_deadline, eviction=eviction,

@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvport import metrics
 from kvport.proxy.service import (
     MAX_BODY_BYTES,
     MAX_JSON_DEPTH,
@@ -167,6 +168,48 @@ def test_the_prefill_request_is_the_prompt_only_and_the_decode_request_the_clien
             # /metrics: the proxy's counters in Prometheus text
             status, text = await get(url + "/metrics")
             assert status == 200 and 'kvport_pd_proxy_requests_total{path="pd"}' in text
+    run(go())
+
+
+def test_the_proxy_s_own_time_is_measured_apart_from_the_engines() -> None:
+    """What kvport's proxy adds to a request is its own histogram; the time awaiting the engines (here
+    at least their sleeps) is counted apart, so a benchmark can tell the two."""
+    async def slow_prefill(engine: Engine, request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(0.3)
+        return await _answer(engine, request)
+
+    async def slow_stream(engine: Engine, request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(0.2)
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+        await out.write(b"data: [DONE]\n\n")
+        return out
+
+    def read() -> dict[str, float]:
+        return {"own": metrics.sample("pd_proxy_own_seconds_count", {"path": "pd"}) or 0.0,
+                "own_s": metrics.sample("pd_proxy_own_seconds_sum", {"path": "pd"}) or 0.0,
+                "prefill": metrics.sample("pd_proxy_engine_wait_seconds_total", {"role": "prefill"}) or 0.0,
+                "answer": metrics.sample("pd_proxy_engine_wait_seconds_total", {"role": "answer"}) or 0.0}
+
+    async def go() -> None:
+        async with Engine("prefill", slow_prefill).running() as pre, Engine("decode", slow_stream).running() as dec, \
+                proxy([pre.url], [dec.url]) as (_, url):
+            before = read()
+            async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions",
+                                                            json={"prompt": "hi", "stream": True}) as r:
+                assert r.status == 200 and b'"a"' in await r.read()
+            after = read()
+            d = {k: after[k] - before[k] for k in after}
+            assert d["own"] == 1 and d["own_s"] >= 0  # one answered request timed
+            assert d["prefill"] >= 0.3 and d["answer"] >= 0.2  # the engines' sleeps are theirs, not the proxy's
+            # a request no engine answers is not timed
+            async with Engine("dead", slow_prefill).running() as gone:
+                url_gone = gone.url
+            async with proxy([url_gone], [url_gone]) as (_, url2):
+                status, _ = await post(url2 + "/v1/completions", {"prompt": "hi"})
+                assert status == 502
+            assert read()["own"] == after["own"]
     run(go())
 
 

@@ -4,17 +4,19 @@ and against vLLM's own NixlConnector, all fresh ``vllm serve`` processes, the re
 Three phases, one after another (each one's engines stopped before the next starts, so that every
 phase has the machine's cores to itself):
 
-1. **colocated**: one plain engine (no connector). The reference answers (greedy tokens and their
-   logprobs) of every prompt and chat turn, the TTFT of each long prompt computed from scratch (a
-   ``cache_salt`` of its own per request: vLLM's prefix cache misses), and the recompute TTFT of
-   each chat's last turn.
+1. **colocated**: one plain engine (no connector) on every core. The reference answers (greedy tokens
+   and their logprobs) of every prompt and chat turn, the TTFT of each long prompt computed from
+   scratch (a ``cache_salt`` of its own per request: vLLM's prefix cache misses), and the recompute
+   TTFT of each chat's last turn. Then the end-to-end rates (:mod:`kvport.bench.pd_e2e`) straight to
+   it, its prefix cache on: what one engine on this machine gives a client.
 2. **kvport**: ``kvport serve`` (the shared tier), two prefill engines (kv_producer), one decode
    engine (kv_consumer, with an inbox: hand-offs are streamed to it layer by layer during the
    prefill) and ``kvport proxy``. Per long prompt: the prefill request (``t_prefill``),
    then the decode request with its hand-off, streamed (``decode TTFT``: from the decode request to
    its first token, load included), then the same decode request again (its KV now in vLLM's own
    cache: the decode TTFT with nothing to load). Chats go through the proxy (OpenAI API), turn after
-   turn, so consecutive turns land on different prefill engines.
+   turn, so consecutive turns land on different prefill engines. Then the end-to-end rates through a
+   proxy in front of one prefill engine (core 0) and the decode engine (the last core).
 3. **peer** (``--set peer=false`` skips it; skipped when the ``nixl`` wheels are not installed, with
    the reason): two engines with vLLM's NixlConnector, the same long prompts through the same proxy
    (it copies ``kv_transfer_params`` as vLLM's own toy proxy does).
@@ -23,7 +25,18 @@ Results:
 
 * ``tokens_equal`` / ``logprob_max_abs_diff``: every long prompt and every chat turn through kvport
   against the colocated engine (greedy; equal token text, logprobs within 1e-4 is the target);
-* ``ttft_vs_colocated``: median decode TTFT over the median colocated TTFT of the same prompts;
+* ``decode_ttft_vs_recompute``: median decode TTFT (the decode engine's first token after a hand-off,
+  the prefill left out) over the median TTFT of the colocated engine recomputing the same prompts
+  (prefix cache missed): what a hand-off saves the decode side, not what a client sees (that is
+  ``e2e``);
+* ``e2e``: per request rate, the client's TTFT (mean, median, p90), TPOT, throughput and goodput
+  through the proxy (``pd``) and straight to the colocated engine (``colocated``), each with where
+  the time went (:func:`kvport.bench.pd_e2e.breakdown`); ``e2e.verdict`` at 0.2 req/s: PD's TTFT,
+  TPOT and goodput over the colocated engine's, and the reasons measured (the prefill engine's compute
+  over the colocated engine's, the queues, the hand-off, the proxy); ``e2e_kvport_own_vs_ttft``:
+  kvport's own time per request (the proxy's own and the connectors') over PD's mean TTFT (target
+  <= 0.05); ``e2e.answers_equal_share``: the answers equal to the colocated engine's (both greedy;
+  batches differ under load, so a rare tie may break the other way);
 * ``exposed_transfer_vs_ideal``: transfer time not hidden behind prefill over the ideal, the KV
   bytes at the raw loopback socket's rate measured in this run (``limits.raw_socket_gbps``), medians.
   The transfer time is what the connectors report (``kvport_vllm_connector_seconds_total`` on each
@@ -52,7 +65,10 @@ Results:
 
 Options (``--set``): ``prompt_tokens`` (2048; quick 512), ``prompts`` (3; quick 1), ``chats`` (3;
 quick 1), ``turns`` (4; quick 2), ``answer_tokens`` (48; quick 16), ``overload_requests`` (12; quick
-4), ``peer`` (true; quick false), ``shm`` (true: the engines also share a /dev/shm folder, the
+4), ``peer`` (true; quick false), ``e2e`` (true), ``rates`` (0.2,0.5,1; quick 0.5), ``prefixes`` (4;
+quick 2), ``prefix_tokens`` (512; quick 256), ``suffix_tokens`` (128; quick 64), ``e2e_sessions`` (8;
+quick 2), ``e2e_turns`` (2), ``e2e_answer_tokens`` (32; quick 8), ``ttft_slo_s`` (2.5), ``tpot_slo_s``
+(0.25), ``shm`` (true: the engines also share a /dev/shm folder, the
 same-host path; false: the kvport server only), ``stream`` (shm: hand-offs streamed into the decode
 engine's inbox over shared memory; tcp: over loopback TCP; nixl: over NIXL; off: through the store), ``keep`` (a
 folder to keep the engines' logs in).
@@ -77,12 +93,15 @@ from typing import Any
 
 import psutil
 
+from kvport.bench import pd_e2e
 from kvport.bench.harness import Report, SuiteOptions, conditions, finish
+from kvport.bench.pd_e2e import E2EOptions
 from kvport.config import Settings
 from kvport.deploy.vllm_serve import (
     EngineServer,
     KVPortServer,
     ProxyServer,
+    all_cpus_env,
     decode_cpus_env,
     free_port,
     listen_port,
@@ -250,12 +269,39 @@ class _Opts:
     peer: bool
     shm: bool
     stream: str  # the decode engine's inbox: "shm" (shared memory, same host), "tcp" (loopback), "off"
+    e2e: E2EOptions | None  # the end-to-end rates (None: --set e2e=false)
+
+
+def _rates(value: object) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(x) for x in str(value).split(",") if x.strip())
+    except ValueError:
+        rates = ()
+    if not rates or not all(0 < r <= 100 for r in rates):
+        raise UserInputError(f"--set rates= takes request rates per second in (0, 100], comma-separated, got {value!r}")
+    return rates
+
+
+def _e2e_options(opts: SuiteOptions) -> E2EOptions | None:
+    q = opts.quick
+    if str(opts.extra.get("e2e", "true")).lower() in ("false", "0", "no"):
+        return None
+    return E2EOptions(rates=_rates(opts.extra.get("rates", "0.5" if q else "0.2,0.5,1")),
+                      prefixes=opts.number("prefixes", 2 if q else 4, lo=1, integer=True),
+                      prefix_tokens=opts.number("prefix_tokens", 256 if q else 512, lo=32, integer=True),
+                      suffix_tokens=opts.number("suffix_tokens", 64 if q else 128, lo=32, integer=True),
+                      sessions=opts.number("e2e_sessions", 2 if q else 8, lo=1, integer=True),
+                      turns=opts.number("e2e_turns", 2, lo=1, integer=True),
+                      answer_tokens=opts.number("e2e_answer_tokens", 8 if q else 32, lo=2, integer=True),
+                      ttft_slo_s=opts.number("ttft_slo_s", 2.5, lo=0.01),
+                      tpot_slo_s=opts.number("tpot_slo_s", 0.25, lo=0.001))
 
 
 def _options(opts: SuiteOptions) -> _Opts:
     q = opts.quick
     peer = str(opts.extra.get("peer", "false" if q else "true")).lower() not in ("false", "0", "no")
-    return _Opts(prompt_tokens=opts.number("prompt_tokens", 512 if q else 2048, lo=64, integer=True),
+    return _Opts(e2e=_e2e_options(opts),
+                 prompt_tokens=opts.number("prompt_tokens", 512 if q else 2048, lo=64, integer=True),
                  prompts=opts.number("prompts", 1 if q else 3, lo=1, integer=True),
                  chats=opts.number("chats", 1 if q else 3, lo=1, integer=True),
                  turns=opts.number("turns", 2 if q else 4, lo=2, integer=True),
@@ -282,7 +328,8 @@ def _stream_option(value: object) -> str:
 # ------------------------------------------------------------------ phases
 def _colocated(model: Path, root: Path, o: _Opts, prompts: list[list[int]],
                chats: list[list[dict[str, str]]]) -> dict[str, Any]:
-    eng = EngineServer(model, free_port(), role=None, log=root / "colocated.log", max_model_len=8192)
+    eng = EngineServer(model, free_port(), role=None, log=root / "colocated.log", max_model_len=8192,
+                       env=all_cpus_env())
     out: dict[str, Any] = {"prompts": [], "chats": [], "last_turn_recompute_ttft_s": []}
     with _engines([eng]):
         for w in _warmups(o):  # an engine's first long prompts run 2-7x slower (allocation, kernels)
@@ -301,7 +348,30 @@ def _colocated(model: Path, root: Path, o: _Opts, prompts: list[list[int]],
                 msgs = [*msgs, {"role": "assistant", "content": a.text},
                         {"role": "user", "content": FOLLOW_UPS[t % len(FOLLOW_UPS)]}]
             out["chats"].append(turns)
+        if o.e2e is not None:  # what a client sees: the engine's own prefix cache on, every core
+            out["e2e"] = _e2e(o.e2e, model, eng.url, pd_e2e.Probe(None, eng.url, None))
     return out
+
+
+def _e2e(o: E2EOptions, model: Path, url: str, probe: pd_e2e.Probe) -> dict[str, Any]:
+    """The end-to-end rates (:mod:`kvport.bench.pd_e2e`) against ``url`` (the colocated engine, or the proxy)."""
+    count = pd_e2e.token_counter(model)
+
+    def ask(messages: list[dict[str, str]]) -> Answer:
+        return request(url + "/v1/chat/completions", chat_body(messages, o.answer_tokens), 900)
+
+    for w in pd_e2e.warmups(o, count):
+        ask(w)
+    rows: dict[str, Any] = {}
+    for i, rate in enumerate(o.rates):
+        sessions = pd_e2e.workload(o, count, i)
+        before = probe.read(metric)
+        sent = pd_e2e.run_rate(ask, sessions, o.turns, rate, o.seed + i)
+        row = pd_e2e.summarize(sent, o)
+        row["breakdown"] = pd_e2e.breakdown(before, probe.read(metric), row["answered"])
+        row["texts"] = [r.text for r in sent]
+        rows[pd_e2e.rate_key(rate)] = row
+    return rows
 
 
 def _kv_bytes(model: Path, tokens: int) -> int:
@@ -422,6 +492,14 @@ def _pd_measure(o: _Opts, prompts: list[list[int]], chats: list[list[dict[str, s
             prev = a
             msgs = [*msgs, {"role": "assistant", "content": a.text},
                     {"role": "user", "content": FOLLOW_UPS[t % len(FOLLOW_UPS)]}]
+    if o.e2e is not None:  # what a client sees: one prefill engine (core 0) and the decode engine (the last core)
+        one = ProxyServer([pre[0].url], [dec.url], proxy.log.with_name("proxy-e2e.log"),
+                          decode_inbox=[] if inbox is None else [inbox]).start()
+        try:
+            res["e2e"] = _e2e(o.e2e, Settings.from_env().model_dir, one.url,
+                              pd_e2e.Probe(pre[0].url, dec.url, one.url))
+        finally:
+            one.stop()
     res["live_share_s"] = _live_share(pre)
     res["overload"] = _overload(o, proxy, chats)
     return res
@@ -499,6 +577,19 @@ def _peer_phase(model: Path, root: Path, o: _Opts, prompts: list[list[int]], ref
     return out
 
 
+def _e2e_results(o: E2EOptions, colo: dict[str, Any], pd: dict[str, Any]) -> dict[str, Any]:
+    """The end-to-end rows side by side, the verdict at 0.2 req/s (else the first rate), the answers compared."""
+    rows = {k: {"pd": {f: v for f, v in pd[k].items() if f != "texts"},
+                "colocated": {f: v for f, v in colo[k].items() if f != "texts"}} for k in colo if k in pd}
+    at = "0.2" if "0.2" in rows else next(iter(rows))
+    v = pd_e2e.verdict(rows, at)
+    same = [a == b for k in rows for a, b in zip(pd[k]["texts"], colo[k]["texts"], strict=True) if a and b]
+    return {"e2e": {"rates": rows, "verdict": v, "answers_equal_share": round(sum(same) / len(same), 4) if same
+                    else None, "slo": {"ttft_s": o.ttft_slo_s, "tpot_s": o.tpot_slo_s}},
+            "e2e_ttft_vs_colocated": v["ttft_vs_colocated"], "e2e_goodput_vs_colocated": v["goodput_vs_colocated"],
+            "e2e_kvport_own_s": v["kvport_own_s"], "e2e_kvport_own_vs_ttft": v["kvport_own_vs_ttft"]}
+
+
 def _med(xs: Sequence[float | None]) -> float | None:
     vals = [x for x in xs if x is not None]
     return round(statistics.median(vals), 4) if vals else None
@@ -521,8 +612,17 @@ def run(opts: SuiteOptions, progress: Callable[[str], None] | None = None) -> Re
                            "kvport serve on 127.0.0.1 (TCP): the prefill engine writes, the decode engine reads",
                       handoff=HANDOFF_PATHS[o.stream],
                       proxy="kvport proxy (OpenAI API)", server_capacity_bytes=SERVER_CAPACITY,
+                      e2e=None if o.e2e is None else {
+                          "rates_per_s": list(o.e2e.rates), "prefixes": o.e2e.prefixes,
+                          "prefix_tokens": o.e2e.prefix_tokens, "suffix_tokens": o.e2e.suffix_tokens,
+                          "sessions": o.e2e.sessions, "turns": o.e2e.turns, "answer_tokens": o.e2e.answer_tokens,
+                          "ttft_slo_s": o.e2e.ttft_slo_s, "tpot_slo_s": o.e2e.tpot_slo_s,
+                          "layouts": "pd: kvport proxy, one prefill engine (core 0), the decode engine (the last "
+                                     "core); colocated: one plain vllm serve on every core, its prefix cache on, "
+                                     "asked directly"},
                       threads=("VLLM_CPU_NUM_OF_RESERVED_CPU=0 for every engine; VLLM_CPU_OMP_THREADS_BIND (a CPU "
-                               "list) 0 for the colocated and every prefill engine, "
+                               f"list) {all_cpus_env().get('VLLM_CPU_OMP_THREADS_BIND', '0')} for the colocated "
+                               "engine, 0 for every prefill engine, "
                                f"{decode_cpus_env().get('VLLM_CPU_OMP_THREADS_BIND', '0')} for every decode engine "
                                "(kvport's and the peer's)"))
     kv_bytes = _kv_bytes(model, o.prompt_tokens)
@@ -552,7 +652,7 @@ def run(opts: SuiteOptions, progress: Callable[[str], None] | None = None) -> Re
         "tokens_equal": equal,
         "requests_compared": len(pd["diffs"]),
         "logprob_max_abs_diff": max(diffs) if diffs else None,
-        "ttft_vs_colocated": ratio(ttft_dec, ttft_colo),
+        "decode_ttft_vs_recompute": ratio(ttft_dec, ttft_colo),
         "decode_ttft_s": ttft_dec,
         "colocated_ttft_s": ttft_colo,
         "decode_ttft_nothing_to_load_s": _med(pd["decode_ttft_local_s"]),
@@ -581,6 +681,8 @@ def run(opts: SuiteOptions, progress: Callable[[str], None] | None = None) -> Re
                  "skipped": peer.get("skipped")},
         "ttft_vs_nixl_connector": ratio(ttft_dec, peer_ttft),
     }
+    if o.e2e is not None:
+        results.update(_e2e_results(o.e2e, ref["e2e"], pd["e2e"]))
     limits = {"raw_socket_gbps": round(raw_gbps, 4) if raw_gbps else None,
               "raw_socket_gbps_each": [raw, raw_after]}
     return finish(Report("pd", cond, limits, results))

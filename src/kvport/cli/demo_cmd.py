@@ -38,12 +38,15 @@ def _apply_config(path: str) -> None:
 @click.option("--tier", default="serve", show_default=True, type=click.Choice(["serve", "redis-cluster"]),
               help="the shared tier: a kvport serve (and a /dev/shm folder), or a Redis Cluster of 3 primaries "
                    "+ 3 replicas started here (--engine vllm)")
+@click.option("--layout", default="auto", show_default=True, type=click.Choice(["auto", "pd", "colocated"]),
+              help="--engine vllm: pd (prefill and decode engines, kvport proxy), colocated (one engine on every "
+                   "core, kvport its shared tier), or auto: the better one for this host (kvport.deploy.layout)")
 @click.option("--config", "config_file", default=None, type=click.Path(dir_okay=False, exists=True), metavar="FILE",
               help="a kvport config file: checked before anything starts; its eviction policy, lifetimes and load "
                    "deadline apply to the demo's server and workers (the demo sizes its tiers, ports and limits "
                    "itself)")
 def demo(json_path: str | None, users: int, rounds: int, max_new_tokens: int, engine: str, tier: str,
-         config_file: str | None) -> None:
+         layout: str, config_file: str | None) -> None:
     """Prefill/decode disaggregation of long chats and agent sessions on the reference model, with a report."""
     if tier != "serve" and engine != "vllm":
         raise UserInputError(f"--tier {tier} runs with --engine vllm (the hf demo's shared tier is a kvport serve)")
@@ -58,7 +61,8 @@ def demo(json_path: str | None, users: int, rounds: int, max_new_tokens: int, en
 
         from kvport.demo.vllm_run import run
 
-        summary = run(users, rounds, max_new_tokens, Path(json_path) if json_path else None, Console(), tier=tier)
+        summary = run(users, rounds, max_new_tokens, Path(json_path) if json_path else None, Console(), tier=tier,
+                      layout=layout)
         if not summary["outputs_equal_baseline"]:
             click.echo("kvport demo: outputs differ from recompute or the run failed (see above)", err=True)
             raise SystemExit(1)

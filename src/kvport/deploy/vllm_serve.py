@@ -60,6 +60,15 @@ def decode_cpus_env() -> dict[str, str]:
     disaggregation is for. Nothing changes on a one-core host."""
     n = os.cpu_count() or 1
     return {"VLLM_CPU_OMP_THREADS_BIND": str(n - 1)} if n > 1 else {}
+
+
+def all_cpus_env() -> dict[str, str]:
+    """Environment of an engine that has the host to itself (the colocated layout): its OpenMP team on
+    every core (SERVE_ENV's "0" is the prefill engine's core when engines share the host)."""
+    n = os.cpu_count() or 1
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}"} if n > 1 else {}
+
+
 IDLE_SPIN_MS = 5
 
 
@@ -366,22 +375,37 @@ RECIPE_SERVER = "127.0.0.1:7878"
 RECIPE_INBOX = "shm:kvport-inbox"
 
 
-def recipe(model: str = "MODEL_DIR") -> str:
-    """The shell commands of a one-host PD deployment: ``kvport serve``, a prefill and a decode ``vllm
-    serve`` and ``kvport proxy``, rendered from the argv and environment :class:`EngineServer`,
-    :class:`KVPortServer` and :class:`ProxyServer` start (the tests, the demo and ``kvport bench pd``
-    run these), so the documented path is the tested one. ``python -m kvport.deploy.vllm_serve
-    [MODEL_DIR]`` prints it; docs/vllm.md holds it, checked by a test."""
+def recipe(model: str = "MODEL_DIR", layout: str = "pd") -> str:
+    """The shell commands of a one-host deployment, rendered from the argv and environment
+    :class:`EngineServer`, :class:`KVPortServer` and :class:`ProxyServer` start (the tests, the demo and
+    ``kvport bench pd`` run these), so the documented path is the tested one. ``layout`` ``pd``:
+    ``kvport serve``, a prefill and a decode ``vllm serve`` and ``kvport proxy``; ``colocated``: ``kvport
+    serve`` and one ``vllm serve`` on every core with kvport as its shared tier (``kv_both``), asked
+    directly (:mod:`kvport.deploy.layout` says which serves a host better). ``python -m
+    kvport.deploy.vllm_serve [MODEL_DIR] [--layout pd|colocated|auto] [--report BENCH_PD_JSON]`` prints
+    it; docs/vllm.md holds both, checked by a test."""
+    if layout not in ("pd", "colocated"):
+        raise EngineError(f"layout is pd or colocated, got {layout!r}")
     extra = {"kvport_server": RECIPE_SERVER, "kvport_disk_dir": "/dev/shm/kvport"}
     log = Path("/nonexistent/engine.log")
-    pre = EngineServer(Path(model), 8100, role="kv_producer", log=log,
-                       extra={**extra, "kvport_pd_destinations": [RECIPE_INBOX]},
-                       env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
-    dec = EngineServer(Path(model), 8200, role="kv_consumer", log=log, extra={**extra, "kvport_pd_inbox": RECIPE_INBOX},
-                       env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
     srv = KVPortServer(log, ("--capacity", "8GiB"))
-    proxy = ProxyServer([pre.url], [dec.url], log, port=8000, decode_inbox=[RECIPE_INBOX])
-    shared = {k: v for k, v in pre.own_env.items() if dec.own_env.get(k) == v and k not in _PER_ENGINE}
+    if layout == "pd":
+        engines = [(EngineServer(Path(model), 8100, role="kv_producer", log=log,
+                                 extra={**extra, "kvport_pd_destinations": [RECIPE_INBOX]},
+                                 env={"VLLM_CPU_OMP_THREADS_BIND": "0"}),
+                    "prefill engine (kv_producer): streams each hand-off to the inboxes it is given, worker on core 0"),
+                   (EngineServer(Path(model), 8200, role="kv_consumer", log=log,
+                                 extra={**extra, "kvport_pd_inbox": RECIPE_INBOX},
+                                 env={"VLLM_CPU_OMP_THREADS_BIND": "1"}),
+                    "decode engine (kv_consumer): the inbox hand-offs stream into, worker on core 1")]
+    else:
+        engines = [(EngineServer(Path(model), 8000, role="kv_both", log=log, extra=extra,
+                                 env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"}),
+                    "the engine (kv_both): computes whole requests, kvport its shared tier, workers on cores 0-1 "
+                    "(every core: 0-N)")]
+    first = engines[0][0]
+    shared = {k: v for k, v in first.own_env.items()
+              if all(e.own_env.get(k) == v for e, _ in engines) and k not in _PER_ENGINE}
 
     def cmd(argv: Sequence[str], module: str, name: str) -> list[str]:
         assert list(argv[1:3]) == ["-m", module]
@@ -403,21 +427,48 @@ def recipe(model: str = "MODEL_DIR") -> str:
 
     serve = cmd(srv.argv, "kvport.cli.serve_cmd", "kvport serve")
     serve[serve.index("--listen") + 1] = RECIPE_SERVER
-    return "\n".join([
-        "# the deployment's hand-off secret: every decode engine's inbox link authenticates with it",
-        'export KVPORT_PD_SECRET="$(python -c \'import secrets; print(secrets.token_hex(32))\')"',
-        "export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in shared.items() if k != "KVPORT_PD_SECRET"),
-        "# the shared tier",
-        " ".join(serve) + " &",
-        engine(pre, "prefill engine (kv_producer): streams each hand-off to the inboxes it is given, worker on core 0"),
-        engine(dec, "decode engine (kv_consumer): the inbox hand-offs stream into, worker on core 1"),
-        "# the OpenAI API in front: any OpenAI client, base_url http://127.0.0.1:8000/v1",
-        " ".join(cmd(proxy.argv, "kvport.cli.proxy_cmd", "kvport proxy")),
-    ]) + "\n"
+    head = ["# the deployment's hand-off secret: every decode engine's inbox link authenticates with it",
+            'export KVPORT_PD_SECRET="$(python -c \'import secrets; print(secrets.token_hex(32))\')"'] \
+        if layout == "pd" else []
+    out = [*head,
+           "export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in shared.items() if k != "KVPORT_PD_SECRET"),
+           "# the shared tier",
+           " ".join(serve) + " &",
+           *[engine(e, what) for e, what in engines]]
+    if layout == "pd":
+        proxy = ProxyServer([e.url for e, _ in engines[:1]], [engines[1][0].url], log, port=8000,
+                            decode_inbox=[RECIPE_INBOX])
+        out += ["# the OpenAI API in front: any OpenAI client, base_url http://127.0.0.1:8000/v1",
+                " ".join(cmd(proxy.argv, "kvport.cli.proxy_cmd", "kvport proxy"))]
+    else:
+        out += ["# the OpenAI API: any OpenAI client, base_url http://127.0.0.1:8000/v1"]
+    return "\n".join(out) + "\n"
 
 
 _PER_ENGINE = ("PROMETHEUS_MULTIPROC_DIR", "KVPORT_PD_SECRET")
 
 
+def _main(argv: Sequence[str]) -> int:
+    import argparse
+
+    from kvport.deploy.layout import LAYOUTS, choose
+
+    ap = argparse.ArgumentParser(prog="python -m kvport.deploy.vllm_serve",
+                                 description="print the shell commands of a one-host vLLM deployment with kvport")
+    ap.add_argument("model", nargs="?", default="MODEL_DIR", help="the model folder (default: a placeholder)")
+    ap.add_argument("--layout", choices=[*LAYOUTS, "auto"], default="pd",
+                    help="pd, colocated, or auto: the better one for this host (kvport.deploy.layout)")
+    ap.add_argument("--report", type=Path, help="auto: decide from this kvport bench pd report (its results.e2e)")
+    ap.add_argument("--rate", type=float, help="auto with --report: at the measured rate nearest this (req/s)")
+    a = ap.parse_args(argv)
+    layout = a.layout
+    if layout == "auto":
+        chosen = choose(report=a.report, rate=a.rate)
+        sys.stdout.write(f"# layout {chosen.name}: {chosen.why}\n")
+        layout = chosen.name
+    sys.stdout.write(recipe(a.model, layout))
+    return 0
+
+
 if __name__ == "__main__":
-    sys.stdout.write(recipe(*sys.argv[1:2]))
+    raise SystemExit(_main(sys.argv[1:]))

@@ -46,7 +46,11 @@ prefill engine), 503 ``down`` when none does; the JSON body says which engine an
 Counters (``/metrics``): ``kvport_pd_proxy_requests_total{path}`` with path ``pd`` (handed over),
 ``recompute`` (chosen: the decode engine computed the prompt), ``no_handoff`` (prefill failed),
 ``fallback`` (decode failed, served by a prefill engine), ``failed`` and ``aborted`` (the client
-disconnected first); ``kvport_pd_planner_decisions_total{action,why}``.
+disconnected first); ``kvport_pd_planner_decisions_total{action,why}``. Where an answered request's
+time went before its first byte: ``kvport_pd_proxy_engine_wait_seconds_total{role}`` (awaiting the
+prefill engine's answer; awaiting the answering engine's first chunk) and the proxy's own time, the
+rest (``kvport_pd_proxy_own_seconds{path}``, a histogram: reading, tokenizing, routing, planning,
+rewriting and relaying).
 
 Which engine of a role (``route``, :mod:`kvport.proxy.routing`): round-robin (the default), the least
 loaded, or the one whose predicted time to first token is lowest from the blocks it holds (its KV
@@ -94,6 +98,12 @@ except ImportError:
 log = logging.getLogger(__name__)
 
 _REQUESTS = metrics.counter("pd_proxy_requests", "requests through the PD proxy, by path taken", ["path"])
+_OWN = metrics.histogram("pd_proxy_own_seconds", "the proxy's own time per answered request, by path taken: from its "
+                         "body read to its answer's first byte sent, less the time awaiting engines",
+                         ["path"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0))
+_WAITED = metrics.counter("pd_proxy_engine_wait_seconds", "seconds the proxy awaited engines before answers' first "
+                          "bytes: the prefill engine's answer (prefill) and the answering engine's first chunk "
+                          "(answer)", ["role"])
 MAX_BODY_BYTES = 16 << 20  # a request body from a client is capped
 MAX_JSON_DEPTH = 64  # nesting of a request body (a tool's JSON schema is a few levels; json.loads recurses)
 _PD_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -205,6 +215,27 @@ class ProxyConfig:
 
 class _Failed(Exception):
     """An engine did not answer usefully (the message says why)."""
+
+
+@dataclass(slots=True)
+class _Clock:
+    """Where one request's time went in the proxy up to its answer's first byte: awaiting engines, or
+    the proxy's own (reading, tokenizing, routing, planning, rewriting bodies, relaying)."""
+
+    start: float = field(default_factory=time.monotonic)  # the request's body read
+    prefill_s: float = 0.0  # awaiting the prefill engine's answer
+    answer_s: float = 0.0  # awaiting the answering engine's first chunk (the whole answer when not streamed)
+    first_chunk_s: float | None = None  # the answering engine's time to its first chunk (the planner learns it)
+    first_byte: float | None = None  # when the answer's first byte went to the client
+    path: str = "failed"
+
+    def record(self) -> None:
+        """Counted once the answer's first byte went out; a request that never answered is not timed."""
+        if self.first_byte is None:
+            return
+        _WAITED.labels(role="prefill").inc(self.prefill_s)
+        _WAITED.labels(role="answer").inc(self.answer_s)
+        _OWN.labels(path=self.path).observe(max(0.0, self.first_byte - self.start - self.prefill_s - self.answer_s))
 
 
 class _ClientGone(Exception):
@@ -396,8 +427,11 @@ class PDProxy:
             return body
         # the client left: aiohttp cancels this handler when its connection closes (or a write to it
         # fails first); the engine requests are closed on the way out, and nothing is recomputed
+        clock = _Clock()
         try:
-            return await self._pd(request, body)
+            resp = await self._pd(request, body, clock)
+            clock.record()
+            return resp
         except _ClientGone as gone:
             self._aborted(request)
             return gone.response  # aiohttp finds the connection closed and lets it go quietly
@@ -409,7 +443,7 @@ class PDProxy:
         self._count("aborted")
         log.info("kvport proxy: the client disconnected; its request to %s is cancelled", request.path)
 
-    async def _pd(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    async def _pd(self, request: web.Request, body: dict[str, Any], clock: _Clock) -> web.StreamResponse:
         path = request.path
         policy = request.headers.get(PD_HEADER, self.cfg.pd_policy).strip().lower()
         if policy not in PD_POLICIES:
@@ -423,11 +457,11 @@ class PDProxy:
         held = self.engines.held_hashes(ids, salt) if ids and useful else []  # hashed once, as far as held
         n = tokens or 0
         if self.engine_urls:
-            return await self._colocated(request, path, body, n, held, t0)
+            return await self._colocated(request, path, body, n, held, t0, clock)
         # the decode engine first: the prefill streams the KV to its inbox
         picked = self._route("decode", self.decode_urls, n, held)
         if picked is None:  # no decode engine is up: a prefill engine computes the request
-            return await self._fallback(request, path, body, n, held, {}, "no decode engine is up")
+            return await self._fallback(request, path, body, n, held, {}, "no decode engine is up", clock)
         decode, route = picked
         inbox = self._inbox[decode]
         headers: dict[str, str] = {ROUTE_HEADER: f"{decode}; {route}",
@@ -452,6 +486,7 @@ class PDProxy:
             idle = self._busy[url] == 0
             t0 = time.monotonic()
             handed = await self._prefill_step(url, path, body, inbox)
+            clock.prefill_s += time.monotonic() - t0
             if handed is not None and idle and tokens is not None:
                 self._observe(Curve.PREFILL, tokens, time.monotonic() - t0)
         decode_body = dict(body)
@@ -462,18 +497,19 @@ class PDProxy:
         taken = "pd" if handed is not None else "recompute" if action is Action.RECOMPUTE else "no_handoff"
         headers[PATH_HEADER] = "stream" if taken == "pd" else taken
         idle = self._busy[decode] == 0
-        first: list[float] = []
         try:
-            resp = await self._forward(request, decode, path, decode_body, headers, first)
+            resp = await self._forward(request, decode, path, decode_body, headers, clock)
             self._count(taken)
-            if first and idle and tokens is not None and taken in ("pd", "recompute"):
-                self._observe(Curve.HANDOFF if taken == "pd" else Curve.DECODE, tokens, first[0])
+            clock.path = taken
+            first = clock.first_chunk_s
+            if first is not None and idle and tokens is not None and taken in ("pd", "recompute"):
+                self._observe(Curve.HANDOFF if taken == "pd" else Curve.DECODE, tokens, first)
             return resp
         except _Failed as exc:
-            return await self._fallback(request, path, body, n, held, headers, f"decode engine failed: {exc}")
+            return await self._fallback(request, path, body, n, held, headers, f"decode engine failed: {exc}", clock)
 
     async def _fallback(self, request: web.Request, path: str, body: dict[str, Any], n: int, held: list[BlockHash],
-                        headers: dict[str, str], why: str) -> web.StreamResponse:
+                        headers: dict[str, str], why: str, clock: _Clock) -> web.StreamResponse:
         """No decode engine answered: a prefill engine (a vLLM engine like any other) computes the request."""
         log.warning("kvport proxy: %s before answering; a prefill engine computes the request", why)
         plain = dict(body)
@@ -484,8 +520,9 @@ class PDProxy:
             if back is None:
                 raise _Failed("no prefill engine is up either")
             headers[ROUTE_HEADER] = f"{back[0]}; {back[1]}"
-            resp = await self._forward(request, back[0], path, plain, headers, [])
+            resp = await self._forward(request, back[0], path, plain, headers, clock)
             self._count("fallback")
+            clock.path = "fallback"
             return resp
         except _Failed as exc:
             self._count("failed")
@@ -500,7 +537,7 @@ class PDProxy:
         return None if got is None else (got.engine, got.why)
 
     async def _colocated(self, request: web.Request, path: str, body: dict[str, Any], tokens: int,
-                         held: list[BlockHash], t0: float) -> web.StreamResponse:
+                         held: list[BlockHash], t0: float, clock: _Clock) -> web.StreamResponse:
         """Whole requests, no PD: to the engine the route policy picks; another one when it fails
         before answering."""
         tried: list[str] = []
@@ -513,8 +550,9 @@ class PDProxy:
             tried.append(url)
             headers = {ROUTE_HEADER: f"{url}; {why}", ROUTE_MS_HEADER: f"{(time.monotonic() - t0) * 1e3:.2f}"}
             try:
-                resp = await self._forward(request, url, path, body, headers, [])
+                resp = await self._forward(request, url, path, body, headers, clock)
                 self._count("routed")
+                clock.path = "routed"
                 return resp
             except _Failed as exc:
                 log.warning("kvport proxy: %s failed before answering (%s); another engine takes the request", url, exc)
@@ -593,33 +631,38 @@ class PDProxy:
         return params if isinstance(params, dict) else None
 
     async def _forward(self, request: web.Request, engine: str, path: str, body: dict[str, Any],
-                       headers: dict[str, str], first: list[float]) -> web.StreamResponse:
+                       headers: dict[str, str], clock: _Clock) -> web.StreamResponse:
         """POST ``body`` to ``engine``'s ``path`` and relay the answer (streamed as it comes), with
-        ``headers`` added; ``first`` gets the seconds to the engine's first streamed chunk. _Failed when
-        nothing was sent to the client yet; an error event ends a stream that broke midway."""
+        ``headers`` added; ``clock`` gets the time awaiting the engine and when the first byte went out.
+        _Failed when nothing was sent to the client yet; an error event ends a stream that broke midway."""
         self._busy[engine] += 1
         try:
-            return await self._relay(request, engine + path, body, headers, first)
+            return await self._relay(request, engine + path, body, headers, clock)
         finally:
             self._busy[engine] -= 1
 
     async def _relay(self, request: web.Request, url: str, body: dict[str, Any], headers: dict[str, str],
-                     first: list[float]) -> web.StreamResponse:
+                     clock: _Clock) -> web.StreamResponse:
         t0 = time.monotonic()
         try:
             upstream = await self.session.post(url, json=body,
                                                timeout=aiohttp.ClientTimeout(total=self.cfg.decode_timeout_s))
         except (aiohttp.ClientError, TimeoutError) as exc:
+            clock.answer_s += time.monotonic() - t0
             raise _Failed(f"{url}: {type(exc).__name__}: {exc}") from None
         async with upstream:
             if upstream.status >= 500:
+                clock.answer_s += time.monotonic() - t0
                 raise _Failed(f"{url} answered {upstream.status}")
             ctype = upstream.headers.get("Content-Type", "application/json")
             if not body.get("stream"):
                 try:
                     data = await upstream.read()
                 except (aiohttp.ClientError, TimeoutError) as exc:
+                    clock.answer_s += time.monotonic() - t0
                     raise _Failed(f"{url}: answer cut: {exc}") from None
+                clock.answer_s += time.monotonic() - t0
+                clock.first_byte = time.monotonic()  # aiohttp writes it on return: the proxy's work is done
                 return web.Response(status=upstream.status, body=data, headers={"Content-Type": ctype, **headers})
             out = web.StreamResponse(status=upstream.status, headers={"Content-Type": ctype,
                                                                       "Cache-Control": "no-cache", **headers})
@@ -630,6 +673,7 @@ class PDProxy:
                     chunk = await anext(chunks, None)
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     if not started:
+                        clock.answer_s += time.monotonic() - t0
                         raise _Failed(f"{url}: stream cut before its first byte: {exc}") from None
                     msg = json.dumps({"error": {"message": f"decode engine stream broke: {exc}",
                                                 "type": "kvport_proxy"}})
@@ -639,8 +683,11 @@ class PDProxy:
                 if chunk is None:
                     break
                 if not started:
-                    first.append(time.monotonic() - t0)
+                    clock.first_chunk_s = time.monotonic() - t0
+                    clock.answer_s += clock.first_chunk_s
                 await _send(out, request, chunk)  # the client's side: an error here is the client's
+                if not started:
+                    clock.first_byte = time.monotonic()
                 started = True
             await _send(out, request, b"")
             try:

@@ -12,6 +12,8 @@ throughput_vs_limit    tiers, transfer,  each tier and transport's GB/s beside i
 codec_size_quality     codec             size ratio against perplexity change on the real model, per codec
 overload_over_time     transfer          memory held and goodput over time under 3x overload, with and
                                          without backpressure
+pd_end_to_end          pd                client-side TTFT (mean, p90) and goodput against request rate, kvport
+                                         PD against one colocated engine, and where the mean TTFT went
 demo_ttft_per_turn     demo              the demo's time to first token per turn, with kvport and recomputing
 =====================  ================  ====================================================================
 
@@ -302,6 +304,95 @@ def _demo_ttft_per_turn(f: dict[str, Fields]) -> Figure | None:
     return fig
 
 
+# ---------------------------------------------------------------------- PD end to end
+_SEGMENTS = ("queue (prefill engine)", "prefill compute", "kvport (connectors + proxy)", "queue (decode engine)",
+             "decode engine to first token", "queue", "engine to first token", "other (HTTP, API servers)")
+
+
+def e2e_segments(row: dict[str, Any]) -> dict[str, float] | None:
+    """Where one layout's mean TTFT went (seconds per request, from the engines' and the proxy's /metrics;
+    the rest is HTTP and the API servers); None when a figure is missing."""
+    b, ttft = _dict(row.get("breakdown")), _num(row.get("ttft_mean_s"))
+    pre, ans = _dict(b.get("prefill")), _dict(b.get("answer"))
+    if ttft is None or not ans:
+        return None
+    if pre:  # pd
+        vals = [_num(x) for x in (pre.get("queue_s"), pre.get("prefill_s"), pre.get("kvport_s"), ans.get("kvport_s"),
+                                  b.get("kvport_own_s"), ans.get("queue_s"), ans.get("engine_ttft_s"))]
+        if any(v is None for v in vals):
+            return None
+        pq, pp, pk, dk, own, dq, dt = (v or 0.0 for v in vals)
+        # the connectors' time is inside the engines' (the prefill engine's steps; the decode engine's
+        # queue, where a hand-off loads): taken out of them, shown once as kvport's with the proxy's
+        out = {"queue (prefill engine)": pq, "prefill compute": max(0.0, pp - pk), "kvport (connectors + proxy)": own,
+               "queue (decode engine)": max(0.0, dq - dk), "decode engine to first token": max(0.0, dt - dq)}
+    else:
+        q, t = _num(ans.get("queue_s")), _num(ans.get("engine_ttft_s"))
+        if q is None or t is None:
+            return None
+        out = {"queue": q, "engine to first token": max(0.0, t - q)}
+    out["other (HTTP, API servers)"] = max(0.0, ttft - sum(out.values()))
+    return out
+
+
+def _pd_end_to_end(f: dict[str, Fields]) -> Figure | None:
+    p = f["pd"]
+    rows = p.get("results.e2e.rates")
+    if not isinstance(rows, dict) or not rows:
+        return None
+    rates = sorted(rows, key=float)
+    fig, (ttft, good, where) = _figure(3, width=4.4, height=4.4)
+    for layout, color in (("pd", "#3b75af"), ("colocated", "#e1812c")):
+        xs, mean, p90, gp = [], [], [], []
+        for k in rates:
+            r = _dict(_dict(rows[k]).get(layout))
+            m, q, g = _num(r.get("ttft_mean_s")), _num(r.get("ttft_p90_s")), _num(r.get("goodput_rps"))
+            if m is None or q is None or g is None:
+                p.missing.append(f"pd: results.e2e.rates.{k}.{layout}.ttft_mean_s / ttft_p90_s / goodput_rps")
+                continue
+            xs.append(float(k))
+            mean.append(m)
+            p90.append(q)
+            gp.append(g)
+        label = "kvport PD (proxy, prefill core 0, decode core 1)" if layout == "pd" else "one colocated engine"
+        ttft.plot(xs, mean, "o-", color=color, label=f"{label}: mean")
+        ttft.plot(xs, p90, "o:", color=color, label=f"{layout}: p90")
+        good.plot(xs, gp, "o-", color=color, label=label)
+    ttft.plot([float(k) for k in rates], [float(k) for k in rates], alpha=0)  # keep the axis on the rates
+    ttft.set_xlabel("request rate (req/s)")
+    ttft.set_ylabel("time to first token (s), client side")
+    ttft.set_yscale("log")
+    ttft.legend(fontsize=7)
+    good.set_xlabel("request rate (req/s)")
+    good.set_ylabel("goodput (req/s within the SLOs)")
+    good.plot([0, max(float(k) for k in rates)], [0, max(float(k) for k in rates)], "k--", linewidth=0.7,
+              label="offered rate")
+    good.legend(fontsize=7)
+    at = p.get("results.e2e.verdict.rate")
+    row = _dict(rows.get(at)) if isinstance(at, str) else {}
+    segs = {layout: e2e_segments(_dict(row.get(layout))) for layout in ("pd", "colocated")}
+    if at is None or any(v is None for v in segs.values()):
+        p.missing.append("pd: results.e2e.verdict.rate and its rows' breakdown")
+    else:
+        colors = plt.get_cmap("tab10")
+        named: set[str] = set()
+        for i, layout in enumerate(("pd", "colocated")):
+            left = 0.0
+            for j, name in enumerate(_SEGMENTS):
+                v = (segs[layout] or {}).get(name)
+                if v is None:
+                    continue
+                where.barh(i, v, left=left, color=colors(j), label=None if name in named else name)
+                named.add(name)
+                left += v
+        where.set_yticks([0, 1], ["kvport PD", "colocated"])
+        where.set_xlabel(f"mean TTFT at {at} req/s, where it went (s)")
+        where.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2)
+    for ax in (ttft, good, where):
+        ax.grid(alpha=0.3)
+    return fig
+
+
 FIGURES: tuple[FigureSpec, ...] = (
     FigureSpec("ttft_vs_length", "Time to first token against prompt length", ("planner",),
                "Each option really run at each length and link speed (medians); circled: what the planner "
@@ -317,6 +408,10 @@ FIGURES: tuple[FigureSpec, ...] = (
     FigureSpec("overload_over_time", "Memory and goodput over time under 3x overload", ("transfer",),
                "With backpressure memory stays within the receive budget and nothing is lost; without it the "
                "receiver fills its physical cap and drops requests.", _overload_over_time),
+    FigureSpec("pd_end_to_end", "Prefill/decode disaggregation as a client sees it", ("pd",),
+               "The same shared-prefix multi-turn chats at each request rate, through kvport proxy to a prefill "
+               "and a decode engine, and straight to one engine on every core with vLLM's prefix cache; right: "
+               "where the mean time to first token went (the engines' and the proxy's /metrics).", _pd_end_to_end),
     FigureSpec("demo_ttft_per_turn", "The demo: time to first token per turn", ("demo",),
                "Multi-turn chats and an agent session on the reference model, with kvport's reuse and without.",
                _demo_ttft_per_turn),

@@ -294,6 +294,13 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     # ================================================================ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        t0 = time.perf_counter()
+        try:
+            return self._matched(request, num_computed_tokens)
+        finally:
+            SECONDS.labels(op="lookup").inc(time.perf_counter() - t0)
+
+    def _matched(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         prompt = request.prompt_token_ids or []
         tokens = request.all_token_ids if self.cfg.save_generated else None
         if self._publish:
@@ -396,6 +403,13 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.matched_tokens += max(0, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPortMetadata:
+        t0 = time.perf_counter()
+        try:
+            return self._meta(scheduler_output)
+        finally:
+            SECONDS.labels(op="schedule").inc(time.perf_counter() - t0)
+
+    def _meta(self, scheduler_output: SchedulerOutput) -> KVPortMetadata:
         so = scheduler_output
         scheduled: list[ScheduledRequest] = []
         for new in so.scheduled_new_reqs:

@@ -61,7 +61,8 @@ SECONDS = metrics.counter("vllm_connector_seconds", "seconds the vLLM connector 
                           "(save: paged KV -> store; load: store -> paged KV, reads, checks and copies; load_async: "
                           "a hand-off's load, its inbox wait included; stream: a producer's steps on streamed "
                           "hand-offs; keep_streamed: a decode engine putting them in the store, after the "
-                          "request's first step)",
+                          "request's first step; lookup: the scheduler asking what kvport holds for a request; "
+                          "schedule: the scheduler planning a step's loads and saves)",
                           ["op"])
 
 

@@ -145,6 +145,37 @@ def test_async_load_takes_the_stream_and_keeps_it_after_the_first_step(tmp_path:
         out.close()
 
 
+def test_a_synchronous_take_copies_a_committed_stream_at_once_and_never_waits_for_a_missing_one(
+        tmp_path: Path, inbox: tuple[Inbox, InboxServer]) -> None:
+    """kvport_pd_take "sync": the hand-off is taken in the request's first step, before its forward. A
+    committed stream is copied at once; a stream that never came costs the step at most
+    SYNC_TAKE_WAIT_S and its blocks are recomputed (never a partial link of them from elsewhere)."""
+    from kvport.engines.vllm.worker import SYNC_TAKE_WAIT_S
+
+    box, srv = inbox
+    src_kv, dst_kv = engine_kv(16, seed=6), engine_kv(16, seed=None)
+    out = producer(PagedKV(src_kv, SPEC), srv.address)
+    sid = new_stream_id()
+    keys = chain_keys(list(range(12)), CTX)
+    assert stream_all(out, [StreamCopy(sid, srv.address, BlockCopy("r", tuple(keys), (4, 8, 12)), 0)]) == []
+    st = open_store(StoreConfig(block_bytes=stored_bytes(SPEC), disk_dir=tmp_path / "d", disk_bytes=1 << 30))
+    loads = AsyncLoads(SPEC, st, PagedKV(dst_kv, SPEC), 4, inbox=box)
+    try:
+        assert loads.load_now([BlockCopy("r", tuple(keys), (0, 1, 2), None, sid)]) == []
+        for name in src_kv:
+            assert torch.equal(dst_kv[name][[0, 1, 2]], src_kv[name][[4, 8, 12]])
+        loads.keep(["r"])  # the first step ran: kept in the store, the inbox freed
+        assert wait_until(lambda: box.free_blocks == box.capacity)
+        t0 = time.monotonic()
+        other = chain_keys(list(range(100, 108)), CTX)
+        assert loads.load_now([BlockCopy("s", tuple(other), (5, 6), None, new_stream_id())]) == [5, 6]
+        assert time.monotonic() - t0 < 1.0 and SYNC_TAKE_WAIT_S < 1.0  # not the async path's 1 s wait
+        assert torch.count_nonzero(dst_kv[next(iter(dst_kv))][[5, 6]]) == 0  # nothing linked
+    finally:
+        loads.close()
+        out.close()
+
+
 def test_a_stream_nobody_takes_goes_to_the_store_when_its_room_is_needed(tmp_path: Path) -> None:
     box = Inbox(SPEC, 2, HEADER, ttl_s=0.0)
     srv = InboxServer(box, "127.0.0.1:0", SECRET)
@@ -231,6 +262,17 @@ def test_planner_streams_every_prompt_block_once_and_saves_none_of_them() -> Non
     # its first step: the worker keeps the streamed blocks in the store after it (once)
     assert q.step([ScheduledRequest("d", 16, 2, [0, 1, 2, 3, 4], True)]).kept == ("d",)
     assert q.step([ScheduledRequest("d", 18, 1, None, False)]).kept == ()
+    # taken in the request's first step instead (kvport_pd_take "sync"): a load of that step naming the
+    # stream, kept in the store after it
+    sid2 = new_stream_id()
+    assert q.lookup("e", prompt, 0, probe=False) == 0
+    q.expect_stream("e", 16, sid2)
+    assert q.stream_of("e") == sid2
+    q.after_alloc("e", 16)
+    first = q.step([ScheduledRequest("e", 16, 2, [5, 6, 7, 8, 9], True)])
+    (load,) = first.loads
+    assert load.stream == sid2 and load.block_ids == (5, 6, 7, 8) and first.async_loads == ()
+    assert first.kept == ("e",)
 
 
 def test_parse_dest() -> None:
@@ -253,11 +295,14 @@ def test_stream_config_keys_and_the_proxy_s_inboxes() -> None:
     assert ConnectorConfig.from_extra_config({"kvport_server": "h:1", "kvport_pd_inbox": "shm:inbox-1"}).pd_inbox \
         == "shm:inbox-1"
     assert ConnectorConfig.from_extra_config({"kvport_server": "h:1"}).pd_inbox is None
+    assert cfg.pd_take == "sync"  # a streamed hand-off is taken in the request's first step by default
+    assert ConnectorConfig.from_extra_config({"kvport_server": "h:1", "kvport_pd_take": "async"}).pd_take == "async"
     h = {"kvport_server": "h:1"}
     for bad in ({**h, "kvport_pd_inbox": "nohost"}, {**h, "kvport_pd_inbox": "shm:a b"},
                 {**h, "kvport_pd_inbox_tokens": 0},
                 {**h, "kvport_pd_inbox_tokens": True}, {**h, "kvport_pd_stream": "yes"},
-                {**h, "kvport_pd_inbox": "127.0.0.1:9", "kvport_async_handoff": False}):
+                {**h, "kvport_pd_inbox": "127.0.0.1:9", "kvport_async_handoff": False},
+                {**h, "kvport_pd_take": "later"}, {**h, "kvport_pd_take": True}):
         with pytest.raises(ConfigError):
             ConnectorConfig.from_extra_config(bad)
     ok = ProxyConfig(prefill=["http://a:1"], decode=["http://b:2", "http://c:3"], decode_inbox=["b:9", "c:9"])

@@ -62,6 +62,24 @@ def test_a_field_a_report_lacks_is_unknown_never_guessed(tmp_path: Path) -> None
     assert "Regenerate: `kvport bench transfer`" in md and "commit abc123," in md
 
 
+def test_the_reference_keeps_a_document_s_introduction_and_rewrites_its_figures(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    _write(results, "hash.json", _report("hash", {"blocks_per_second_16": 5000000}, limits={"raw_gbps": 9.5}))
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"# Benchmarks\n\nHow to run them, by hand.\n\n{markdown.MARKER}\n\n## FIGURES-OF-OLD\n")
+    assert main(["report", str(results), "--no-html", "--markdown", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nHow to run them, by hand.\n\n" + markdown.MARKER)
+    assert "FIGURES-OF-OLD" not in text and "| chained keys/s, 16 tokens a block | 5000000 |" in text
+    assert "Limits measured in the same run: `raw_gbps` 9.5" in text
+    # a file without the marker is written whole
+    other = tmp_path / "other.md"
+    other.write_text("anything\n")
+    assert main(["report", str(results), "--no-html", "--markdown", str(other)]) == 0
+    assert other.read_text().startswith("# Benchmarks\n") and "anything" not in other.read_text()
+
+
 def test_the_page_and_the_reference_come_from_quick_runs_and_render_in_chromium(tmp_path: Path,
                                                                                  model_dir: Path) -> None:
     pytest.importorskip("matplotlib")

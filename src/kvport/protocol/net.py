@@ -26,7 +26,7 @@ SOCK_BUF_BYTES = 4 << 20
 # Same-host streams: a loss-based congestion control without pacing. A pacing one (BBR, the default
 # on some distributions) paces a loopback stream from its own bandwidth estimate, and a sender that
 # pauses between batches to checksum them reads as app-limited: on the 2-core bench machine kvport
-# over BBR moved 256 MiB in ~90 ms where cubic took ~50 (docs/benchmarks.md). Links beyond the
+# over BBR moved 256 MiB in ~90 ms where cubic took ~50 (kvport bench transfer). Links beyond the
 # host keep the system's choice. Every socket tuned here gets it, raw baselines included.
 LOOPBACK_CONGESTION = (b"cubic", b"reno")  # reno: always permitted to unprivileged processes
 _TCP_CONGESTION: int | None = getattr(socket, "TCP_CONGESTION", None)  # Linux only

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import kvport.bench
@@ -169,26 +170,63 @@ def _rows(rep: SuiteReport) -> list[tuple[str, str]]:
     return rows + (more(rep) if more else [])
 
 
+MAX_LIMITS = 8  # limits named in a section: the first ones the report gives
+
+
+def _limits(rep: SuiteReport) -> str | None:
+    """The physical limits measured in the same run (numbers at the top of ``limits``), one line."""
+    got = [(k, v) for k, v in rep.limits.items() if isinstance(v, int | float) and not isinstance(v, bool)]
+    if not got:
+        return None
+    more = f" (and {len(got) - MAX_LIMITS} more in the JSON)" if len(got) > MAX_LIMITS else ""
+    return "Limits measured in the same run: " + ", ".join(f"`{k}` {_fmt(v)}" for k, v in got[:MAX_LIMITS]) + more
+
+
 def section(rep: SuiteReport, titles: dict[str, str]) -> str:
     lines = [f"## {rep.suite}: {_cell(titles.get(rep.suite, 'suite'))}", ""]
     cmd = rep.conditions.get("command")
     lines.append(f"Regenerate: `{_cell(str(cmd)).replace('`', '')}`" if cmd else
                  "Regenerate: unknown (the report does not name its command)")
     lines += ["", _cell(rep.summary()), ""]
+    lim = _limits(rep)
+    if lim:
+        lines += [" ".join(lim.split()), ""]
     lines += [f"> {_cell(n)}" for n in rep.notes] + ([""] if rep.notes else [])
     lines += ["| figure | value |", "|---|---|"]
     lines += [f"| {_cell(label)} | {_cell(value)} |" for label, value in _rows(rep)]
     return "\n".join(lines) + "\n"
 
 
-def render(inputs: Inputs, order: Sequence[str] | None = None, intro: str = "") -> str:
+# in a file --markdown writes over, what is above this line is kept (a document's own introduction)
+MARKER = "<!-- kvport report --markdown writes everything below this line: edit above it -->"
+INTRO = ("The current figures of each suite, written by `kvport report --markdown` from the suites' JSON. Each "
+         "section names its conditions and the command that regenerates it; a figure a report lacks reads "
+         "*unknown*. Older figures live in git history.")
+
+
+def body(inputs: Inputs, order: Sequence[str] | None = None) -> str:
+    """Every suite's section (and the files not read)."""
     titles = suite_titles()
     names = [s for s in (order or sorted(inputs.reports)) if s in inputs.reports]
-    parts = ["# Benchmarks", "",
-             intro or ("The current figures of each suite, written by `kvport report --markdown` from the suites' "
-                       "JSON. Each section names its conditions and the command that regenerates it; a figure "
-                       "a report lacks reads *unknown*. Older figures live in git history."), ""]
-    parts += [section(inputs.reports[s], titles) for s in names]
+    parts = [section(inputs.reports[s], titles) for s in names]
     if inputs.refused:
         parts += ["## Files not read", ""] + [f"- `{p}`: {why}" for p, why in inputs.refused] + [""]
     return "\n".join(parts)
+
+
+def render(inputs: Inputs, order: Sequence[str] | None = None, intro: str = "") -> str:
+    return "\n".join(["# Benchmarks", "", intro or INTRO, "", body(inputs, order)])
+
+
+def write(path: Path, inputs: Inputs) -> None:
+    """The reference to ``path``: when the file holds :data:`MARKER`, what is above it is kept and
+    everything below rewritten; otherwise the whole file is written."""
+    try:
+        old = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        old = ""
+    if MARKER in old:
+        head = old[: old.index(MARKER)]
+        path.write_text(f"{head}{MARKER}\n\n{INTRO}\n\n{body(inputs)}")
+    else:
+        path.write_text(render(inputs))

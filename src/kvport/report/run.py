@@ -60,6 +60,6 @@ def build(paths: Sequence[Path], *, html: Path | None, markdown_path: Path | Non
         out.unknown = [d.key for d in drawn if d.svg is None]
     if markdown_path is not None:
         markdown_path.parent.mkdir(parents=True, exist_ok=True)
-        markdown_path.write_text(markdown.render(inputs))
+        markdown.write(markdown_path, inputs)
         out.markdown = markdown_path
     return out

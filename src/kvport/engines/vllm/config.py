@@ -22,6 +22,12 @@ Keys (all optional except a store location: a disk folder, Redis, a kvport serve
                            turn's prefill on any engine finds the whole conversation  (true)
     kvport_async_handoff   a decode engine loads a hand-off in the background
                            (vLLM's load_kv_async): other requests' steps go on      (true)
+    kvport_pd_take         how a decode engine takes a streamed hand-off from its inbox:
+                           "sync": in the request's first step, before its forward (the
+                           prefill engine answered only after the stream committed,
+                           so it is there; what is not there at once is recomputed);
+                           "async": in the background, the request scheduled one
+                           engine step later (it waits for a stream still arriving)   ("sync")
     kvport_pd_lease_s      a producer (kv_role kv_producer) leases a request's blocks
                            in the shared tier for this long when it hands them to a
                            decode engine; the decode engine's load must come by then  (30)
@@ -96,11 +102,12 @@ _KNOWN = frozenset({
     "kvport_expect_spec", "kvport_tenant_salt", "kvport_profile", "kvport_load_deadline",
     "kvport_server", "kvport_redis", "kvport_server_tenant", "kvport_host_capacity", "kvport_save_generated",
     "kvport_pd_lease_s",
-    "kvport_async_handoff", "kvport_idle_spin_ms", "kvport_server_write", "kvport_pd_inbox",
+    "kvport_async_handoff", "kvport_pd_take", "kvport_idle_spin_ms", "kvport_server_write", "kvport_pd_inbox",
     "kvport_pd_inbox_tokens", "kvport_pd_stream", "kvport_pd_inbox_names", "kvport_pd_destinations",
     "kvport_config", "kvport_eviction",
 })
 DEFAULT_INBOX_TOKENS = 8192
+PD_TAKES = ("sync", "async")
 DEFAULT_DISK_CAPACITY = 8 * 1024**3
 DEFAULT_STAGING_TOKENS = 2048
 
@@ -123,6 +130,7 @@ class ConnectorConfig:
     save_generated: bool = True
     pd_lease_s: float = 30.0
     async_handoff: bool = True
+    pd_take: str = "sync"  # a streamed hand-off: taken in the request's first step ("sync") or in the background
     idle_spin_s: float | None = None  # None: vLLM's own busy-poll window (1 s)
     # decode engine: where streamed hand-offs arrive (HOST:PORT, shm:NAME or nixl:HOST:PORT; one per rank)
     pd_inbox: str | None = None
@@ -175,6 +183,9 @@ class ConnectorConfig:
         async_handoff = cfg.get("kvport_async_handoff", True)
         if not isinstance(async_handoff, bool):
             raise ConfigError(f"kvport_async_handoff must be true or false, got {async_handoff!r}")
+        take = cfg.get("kvport_pd_take", "sync")
+        if take not in PD_TAKES:
+            raise ConfigError(f"kvport_pd_take must be one of {', '.join(PD_TAKES)}, got {take!r}")
         lease = cfg.get("kvport_pd_lease_s", 30.0)
         if isinstance(lease, bool) or not isinstance(lease, int | float) or not 0 < lease <= 3600:
             raise ConfigError(f"kvport_pd_lease_s must be seconds in (0, 3600], got {lease!r}")
@@ -231,7 +242,7 @@ class ConnectorConfig:
             disk_dir=None if disk_dir is None else Path(disk_dir).expanduser(),
             server=server, redis_url=redis_url, server_tenant=tenant, server_write_behind=write == "behind",
             host_capacity_bytes=host, save_generated=save_generated,
-            pd_lease_s=float(lease), async_handoff=async_handoff,
+            pd_lease_s=float(lease), async_handoff=async_handoff, pd_take=take,
             idle_spin_s=None if spin is None else spin / 1000.0,
             pd_inbox=inbox, pd_inbox_tokens=inbox_tokens, pd_stream=stream, pd_inbox_names=names,
             pd_destinations=frozenset(destinations),

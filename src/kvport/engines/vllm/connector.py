@@ -323,8 +323,12 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if answer is not None:
             n = self._check_handed(request, answer, stream, num_computed_tokens, n)
             # the prefill engine computed these: no cost gate (recomputing is what PD avoids); loaded in
-            # the background when configured, so the engine's other requests go on meanwhile
-            load_async = self.cfg.async_handoff and n > 0
+            # the background when configured, so the engine's other requests go on meanwhile -- except
+            # a streamed hand-off taken in the request's first step (kvport_pd_take "sync"): it is in the
+            # inbox already (the prefill engine answered after its commit), and taking it in the
+            # background would schedule the request a whole engine step later
+            sync_take = self.cfg.pd_take == "sync" and self.planner.stream_of(request.request_id) is not None
+            load_async = self.cfg.async_handoff and n > 0 and not sync_take
             if load_async:
                 self._async_reqs.add(request.request_id)
             return n, load_async
@@ -554,7 +558,17 @@ class KVPortConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
         if plan is not None and plan.loads and self.mover is not None:
-            self.mover.begin_load(plan.loads)
+            # streamed hand-offs taken now (kvport_pd_take "sync"): every layer in the paged KV before the
+            # forward; what the inbox does not hold at once is read from the store or recomputed
+            taken = [c for c in plan.loads if c.stream is not None]
+            failed: list[int] = []
+            if taken:
+                if self.async_loads is None:
+                    failed = [b for c in taken for b in c.block_ids]
+                else:
+                    failed = self.async_loads.load_now(taken)
+            self.mover.begin_load([c for c in plan.loads if c.stream is None])
+            self.mover.fail(failed)
         if plan is not None and plan.async_loads:
             if self.async_loads is None:  # a scheduler that asked for async without the worker's config
                 raise EngineError("asynchronous loads planned, but this worker has no async loader")

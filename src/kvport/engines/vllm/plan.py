@@ -256,6 +256,11 @@ class StepPlanner:
             st.hit_tokens = max(st.hit_tokens, tokens - tokens % self.block_size)
             st.stream_in = stream
 
+    def stream_of(self, req_id: str) -> str | None:
+        """The stream a decode request's hand-off is to be taken from (:meth:`expect_stream`), if any."""
+        st = self._reqs.get(req_id)
+        return None if st is None else st.stream_in
+
     def discard_stream(self, stream: str) -> None:
         """A decode engine's hand-off that will not be taken from its stream (the engine's own cache
         holds the prompt, or the hand-off was refused): the next step frees the stream's inbox slots."""
@@ -280,7 +285,9 @@ class StepPlanner:
                 st.pending_load = None
                 if b > len(st.block_ids):
                     raise EngineError(f"{s.req_id}: load needs {b} blocks, vLLM allocated {len(st.block_ids)}")
-                loads.append(BlockCopy(s.req_id, tuple(st.keys[a:b]), tuple(st.block_ids[a:b])))
+                # a streamed hand-off taken in this step names its stream (the worker takes it from the inbox)
+                loads.append(BlockCopy(s.req_id, tuple(st.keys[a:b]), tuple(st.block_ids[a:b]),
+                                       st.keys[a - 1] if a else None, st.stream_in))
             st.saved_upto = max(st.saved_upto, st.hit_tokens // self.block_size)
             if st.stream_in is not None and not st.started:
                 st.started = True

@@ -67,6 +67,10 @@ SECONDS = metrics.counter("vllm_connector_seconds", "seconds the vLLM connector 
 
 
 _NOT_QUEUED = object()
+# a streamed hand-off taken in the request's first step waits no longer than this for its stream (it
+# committed before the prefill engine answered: it is there, unless something failed; the whole batch
+# waits meanwhile, so what is not there by then is read from the store or recomputed)
+SYNC_TAKE_WAIT_S = 0.05
 
 
 @dataclass(slots=True)
@@ -255,6 +259,10 @@ class BlockMover:
         self._ids = None
         self._count = 0
 
+    def fail(self, block_ids: Iterable[int]) -> None:
+        """Blocks of this step's loads that did not arrive: reported as load errors (vLLM recomputes)."""
+        self._failed.update(block_ids)
+
     def take_failed(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
@@ -368,9 +376,10 @@ class AsyncLoads:
                 self._failed.update(failed)
                 self._done.add(c.req_id)
 
-    def _from_inbox(self, c: BlockCopy, inbox: Inbox, stream: str, deadline: Deadline) -> int:
+    def _from_inbox(self, c: BlockCopy, inbox: Inbox, stream: str, deadline: Deadline,
+                    unknown_wait_s: float = 1.0) -> int:
         """The leading blocks of ``c`` the stream holds, copied into the paged KV; how many."""
-        slots, why = inbox.take(stream, c.keys, deadline)
+        slots, why = inbox.take(stream, c.keys, deadline, unknown_wait_s=unknown_wait_s)
         if why:
             log.warning("kvport: request %s: %d of %d blocks streamed (%s); the rest from the store or recomputed",
                         c.req_id, len(slots), len(c.keys), why)
@@ -412,20 +421,36 @@ class AsyncLoads:
                 inbox.release([slot for _, slot in held], kept=kept)
                 SECONDS.labels(op="keep_streamed").inc(time.perf_counter() - t0)
 
-    def _load(self, c: BlockCopy) -> list[int]:
+    def load_now(self, copies: Sequence[BlockCopy]) -> list[int]:
+        """Streamed hand-offs taken at once, in the caller's step (kvport_pd_take "sync"): from the
+        inbox without waiting for a stream still arriving (:data:`SYNC_TAKE_WAIT_S` at most), the rest
+        from the store; the block ids not loaded (vLLM recomputes them)."""
+        failed: list[int] = []
+        for c in copies:
+            try:
+                failed += self._load(c, wait_s=SYNC_TAKE_WAIT_S, op="load")
+            except Exception as exc:  # a load must end (reported), never fail the engine's step
+                log.warning("kvport: taking the hand-off of %s failed (%s: %s); vLLM recomputes it", c.req_id,
+                            type(exc).__name__, exc)
+                failed += list(c.block_ids)
+        return failed
+
+    def _load(self, c: BlockCopy, wait_s: float | None = None, op: str = "load_async") -> list[int]:
+        """``wait_s``: the longest the inbox is waited for (the stream not there yet, or still open)."""
         m = self.mover
         t0, copy0 = time.perf_counter(), m.stats.load_copy_s
         deadline = m.deadline_for(len(c.keys))
         pos = 0
         try:
             if c.stream is not None and self.inbox is not None:
-                pos = self._from_inbox(c, self.inbox, c.stream, deadline)
+                take = deadline if wait_s is None else Deadline(min(deadline.at, time.monotonic() + wait_s))
+                pos = self._from_inbox(c, self.inbox, c.stream, take, unknown_wait_s=1.0 if wait_s is None else wait_s)
                 deadline = m.deadline_for(len(c.keys) - pos)  # the store's reads get their own time
             return m.load_now(c.keys[pos:], c.block_ids[pos:], deadline)
         finally:
             dt = time.perf_counter() - t0
             m.stats.load_read_s += dt - (m.stats.load_copy_s - copy0)
-            SECONDS.labels(op="load_async").inc(dt)
+            SECONDS.labels(op=op).inc(dt)
 
     def close(self) -> None:
         self._queue.put(None)

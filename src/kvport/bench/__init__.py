@@ -22,6 +22,7 @@ The physical limits and timing are :mod:`kvport.evidence`, below this package. M
     scaleout       the shared tier on a real Redis Cluster against raw RedisCluster; failover and slot moves
     pd_link        scaleout's vLLM PD across an emulated link: the proxy's planner against fixed stream/recompute
     pd             prefill/decode disaggregation in vLLM through kvport, against colocated and NIXL
+    pd_e2e         pd's end-to-end rates: a client's TTFT, TPOT and goodput, PD against one colocated engine
     route          KV-aware routing over 2 vLLM engines (round-robin, least-loaded, prefix); KV events per second
     soak           ownership under faults for N minutes (nothing leaks or is lost), then memory phases
     soak_client    one client process of the soak

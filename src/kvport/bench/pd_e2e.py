@@ -77,7 +77,7 @@ class Sent:
 
 
 @dataclass(slots=True)
-class Session:
+class E2EChat:
     messages: list[dict[str, str]]
     prefix: int
     answers: list[str] = field(default_factory=list)
@@ -116,14 +116,14 @@ def _suffix(rng: random.Random, tokens: int, count: Callable[[str], int]) -> str
     return "Here are more lines from tonight:\n" + "".join(lines) + "Which request was slowest, and on which node?"
 
 
-def workload(o: E2EOptions, counter: Callable[[str], int], rate_index: int) -> list[Session]:
+def workload(o: E2EOptions, counter: Callable[[str], int], rate_index: int) -> list[E2EChat]:
     """The sessions of one rate (their openings; later turns are written from the answers)."""
     prefixes = [_cut(t, o.prefix_tokens, counter) for t in _prefix_texts()]
     rng = random.Random(o.seed * 1000 + rate_index)
     out = []
     for s in range(o.sessions):
         p = s % o.prefixes
-        out.append(Session([{"role": "system", "content": prefixes[p % len(prefixes)]},
+        out.append(E2EChat([{"role": "system", "content": prefixes[p % len(prefixes)]},
                             {"role": "user", "content": _suffix(rng, o.suffix_tokens, counter)}], p))
     return out
 
@@ -149,7 +149,7 @@ def arrivals(rate: float, n: int, seed: int) -> list[float]:
 Ask = Callable[[list[dict[str, str]]], Any]  # sends a chat, returns the Answer (bench.pd.request's)
 
 
-def run_rate(ask: Ask, sessions: list[Session], turns: int, rate: float, seed: int) -> list[Sent]:
+def run_rate(ask: Ask, sessions: list[E2EChat], turns: int, rate: float, seed: int) -> list[Sent]:
     """Every session's turns, open-loop at ``rate`` (module docstring); one thread per session."""
     n = len(sessions)
     times = arrivals(rate, n * turns, seed)

@@ -14,6 +14,7 @@ Modules::
                   and its recipe (``python -m kvport.deploy.vllm_serve``)
     sglang_serve  SGLangServer: one SGLang server with HiCache and kvport's (or SGLang's file) L3 backend
     sglang_bench  prefix_ttft(): ``kvport bench prefix --set engine=sglang``, kvport vs the file backend vs recompute
+    layout        choose(): PD or colocated for a host, from a ``kvport bench pd`` report or the measured rule
     redis_cluster  RedisClusterProcs: a real Redis Cluster on this host (3 + 3 nodes), and its faults
                    on demand (a node killed or paused, slots migrated while serving)
 """

@@ -32,7 +32,7 @@ PD_MIN_CPUS = 8  # below this, each role of a CPU host's PD gets too few cores (
 
 
 @dataclass(frozen=True, slots=True)
-class Layout:
+class LayoutChoice:
     name: str  # one of LAYOUTS
     why: str
 
@@ -46,7 +46,7 @@ def _rows(report: Mapping[str, Any]) -> dict[str, Any]:
     return rows
 
 
-def from_report(report: Mapping[str, Any], rate: float | None = None) -> Layout:
+def from_report(report: Mapping[str, Any], rate: float | None = None) -> LayoutChoice:
     """The layout a ``kvport bench pd`` report measured better at the rate nearest ``rate`` (else at
     every rate it measured, the one that won more of them)."""
     rows = _rows(report)
@@ -68,11 +68,11 @@ def from_report(report: Mapping[str, Any], rate: float | None = None) -> Layout:
     if not said:
         raise UserInputError("the report's end-to-end rows have no goodput or TTFT to compare")
     name = "pd" if wins["pd"] > wins["colocated"] else "colocated"
-    return Layout(name, f"measured by kvport bench pd: {'; '.join(said)}")
+    return LayoutChoice(name, f"measured by kvport bench pd: {'; '.join(said)}")
 
 
 def choose(cpus: int | None = None, report: Mapping[str, Any] | Path | None = None,
-           rate: float | None = None) -> Layout:
+           rate: float | None = None) -> LayoutChoice:
     """The better layout for a host of ``cpus`` cores (this one's when None): measured when a ``kvport
     bench pd`` report (or its path) is given, else the rule in the module docstring."""
     if report is not None:
@@ -86,8 +86,8 @@ def choose(cpus: int | None = None, report: Mapping[str, Any] | Path | None = No
         return from_report(report, rate)
     n = cpus if cpus is not None else (os.cpu_count() or 1)
     if n < PD_MIN_CPUS:
-        return Layout("colocated", f"{n} cores: PD would run each prompt's prefill on part of them; on 2 cores "
+        return LayoutChoice("colocated", f"{n} cores: PD would run each prompt's prefill on part of them; on 2 cores "
                                    "kvport bench pd measured the colocated engine better at every rate (docs/vllm.md)"
                                    "; run it here to decide by measurement")
-    return Layout("pd", f"{n} cores: each role keeps {n // 2} or more; not measured on this host -- run kvport "
+    return LayoutChoice("pd", f"{n} cores: each role keeps {n // 2} or more; not measured on this host -- run kvport "
                         "bench pd and pass its report to decide by measurement")

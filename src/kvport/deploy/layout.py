@@ -11,8 +11,8 @@ measures both layouts end to end at several request rates (``results.e2e``); :fu
 its figures when given (the layout with the higher goodput at the rate asked, the lower mean TTFT on
 a tie) and otherwise says what is known: on this project's 2-core machine the colocated engine won
 at every rate measured (0.2-1 req/s of 512-token shared prefixes and 128-token turns: mean TTFT
-0.21 s against PD's 0.63-0.76 s, the prefill on one core taking 1.9x the colocated engine's compute,
-docs/vllm.md), and a host not measured gets the colocated layout on fewer than :data:`PD_MIN_CPUS`
+0.24-0.28 s against PD's 0.59-0.67 s, the prefill on one core taking 1.7x the colocated engine's
+compute, docs/vllm.md), and a host not measured gets the colocated layout on fewer than :data:`PD_MIN_CPUS`
 cores, PD above, with the reason that it was not measured.
 """
 

@@ -16,8 +16,10 @@ contract in pyproject.toml; names joined by ``|`` share a layer and do not impor
                                 shared-tier server (`kvport serve`)
     configfile                  the one config file of a deployment (TOML): typed, checked with file:line:key,
                                 KVPORT_* variables over it (kvport serve --config, the connectors, the demo)
-    planner | route             transfer vs recompute vs compress: cost model + calibration; KV-aware
-                                routing (the prefix index built from KV events)
+    route | sim                 KV-aware routing (the prefix index built from KV events); the discrete-event
+                                simulator of a PD deployment replaying a trace (`kvport simulate`)
+    planner                     transfer vs recompute vs compress: cost model, calibration, accelerator
+                                rooflines
     evidence                    physical limits measured in the same run (memcpy, raw socket, disk, redis),
                                 timing, page-cache dropping: what every benchmark compares against
     transfer | client | events  sender/receiver, transports (inproc, shm, tcp, striped, nixl), credits; the

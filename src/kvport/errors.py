@@ -11,6 +11,9 @@ so callers catch kvport types only. Backpressure is *not* an error: admission re
     ├── UserInputError                 bad input from a person or a config file (CLI exit code 2)
     │   ├── UnitError                  "20 GiB/s" style strings that do not parse
     │   ├── UnknownModelError          not a preset and not a config.json
+    │   ├── UnknownDeviceError         not an accelerator preset (kvport.planner.devices) nor cpu
+    │   ├── DeviceDTypeError           a dtype the accelerator has no peak FLOP/s for (fp8 on an A100)
+    │   ├── ModelTooLargeError         a model whose weights do not fit the device's memory
     │   ├── SpecError                  invalid or inconsistent KVSpec fields / config.json
     │   ├── ConfigError                invalid setting (KVPORT_* env, flags, profile file)
     │   └── MissingExtraError          an optional part whose extra is not installed (also an ImportError)
@@ -47,7 +50,8 @@ so callers catch kvport types only. Backpressure is *not* an error: admission re
     │   └── DeadlineExceeded           a load ran past its deadline: it is a miss
     ├── PlannerError
     │   ├── ProfileError               missing, stale or malformed calibration profile
-    │   └── PlanInputError             nonsense request or observation (negative length, zero bandwidth)
+    │   ├── PlanInputError             nonsense request or observation (negative length, zero bandwidth)
+    │   └── SimInputError              a simulation that cannot run as given (trace line, zero link, no engines)
     ├── ServerError                    a remote kvport server answered with an error
     └── EngineError                    engine adapter could not load / store KV
 """
@@ -69,6 +73,18 @@ class UnitError(UserInputError):
 
 
 class UnknownModelError(UserInputError):
+    pass
+
+
+class UnknownDeviceError(UserInputError):
+    pass
+
+
+class DeviceDTypeError(UserInputError):
+    pass
+
+
+class ModelTooLargeError(UserInputError):
     pass
 
 
@@ -242,6 +258,10 @@ class PlannerError(KVPortError):
 
 class ProfileError(PlannerError):
     pass
+
+
+class SimInputError(PlannerError, UserInputError):
+    """A deployment or trace ``kvport simulate`` cannot run: names the field (and the trace line)."""
 
 
 class PlanInputError(PlannerError):

@@ -33,6 +33,15 @@ def test_tiny_demo_outputs_equal_baseline_and_reuse_survives_a_decode_restart(mo
         assert first["history_tokens"] == 0 and second["history_tokens"] > first["prompt_tokens"]
         assert second["hit_tokens"] >= (first["prompt_tokens"] // 16) * 16
     assert turns["u1-r1"]["hit_tokens"] == turns["u2-r1"]["hit_tokens"] == 0
+    # the run as a trace (kvport bench simulate replays it): ask times in order, chained block ids that
+    # a session's next turn extends and the two agents share for their tool catalogue
+    starts = [t["start_s"] for t in summary["per_turn"]]
+    assert starts[0] == 0.0 and starts == sorted(starts)
+    for u in (1, 2, 3):
+        first, second = turns[f"u{u}-r1"], turns[f"u{u}-r2"]
+        assert len(first["block_ids"]) == first["prompt_tokens"] // 16
+        assert second["block_ids"][: len(first["block_ids"])] == first["block_ids"]
+    assert turns["u2-r1"]["block_ids"][0] == turns["u3-r1"]["block_ids"][0] != turns["u1-r1"]["block_ids"][0]
     # the second agent's first turn waited for the first agent's decode and found the tool catalogue
     assert turns["u3-r1"]["hit_tokens"] >= 16
     h = summary["history_tokens_round2plus"]

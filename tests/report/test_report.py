@@ -102,3 +102,21 @@ def test_the_page_and_the_reference_come_from_quick_runs_and_render_in_chromium(
     md = ref.read_text()
     for suite in ("codec", "planner", "tiers", "trace", "transfer"):
         assert f"## {suite}: " in md and f"Regenerate: `kvport bench {suite} --quick" in md
+
+
+def test_the_simulator_figure_plots_predictions_against_measurements(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from kvport.report.figures import draw_all
+
+    results = {"demo_ttft_error": 0.1, "load_goodput_error": 0.02, "trace_seconds": 12.0,
+               "published": {"within_2x": 16, "within_1_3x": 15, "worst_ratio": 1.3,
+                             "cases": [{"case": "ttft_128", "published": 0.046, "predicted": 0.047},
+                                       {"case": "transfer_128", "published": 0.00054, "predicted": 0.0006}]},
+               "demo": {"turns": [{"measured_s": 6.5, "predicted_s": 6.1}, {"measured_s": 0.6, "predicted_s": 0.5}]},
+               "load": {"cells": [{"layout": "pd", "measured_goodput_rps": 0.36, "predicted_goodput_rps": 0.35}]}}
+    _write(tmp_path, "simulate.json", _report("simulate", results))
+    drawn = {d.key: d for d in draw_all(load([tmp_path]))}
+    assert drawn["simulated_vs_measured"].svg is not None
+    md = markdown.render(load([tmp_path]))
+    assert "| demo: median error of predicted per-turn TTFT | 0.1 |" in md
+    assert "| published cases within 2x (of those predicted) | 16 |" in md

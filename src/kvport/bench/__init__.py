@@ -22,6 +22,7 @@ The physical limits and timing are :mod:`kvport.evidence`, below this package. M
     scaleout       the shared tier on a real Redis Cluster against raw RedisCluster; failover and slot moves
     pd_link        scaleout's vLLM PD across an emulated link: the proxy's planner against fixed stream/recompute
     pd             prefill/decode disaggregation in vLLM through kvport, against colocated and NIXL
+    simulate       kvport simulate's predictions against the demo, bench pd's rates and published figures
     pd_e2e         pd's end-to-end rates: a client's TTFT, TPOT and goodput, PD against one colocated engine
     route          KV-aware routing over 2 vLLM engines (round-robin, least-loaded, prefix); KV events per second
     soak           ownership under faults for N minutes (nothing leaks or is lost), then memory phases
@@ -63,6 +64,7 @@ SUITES: dict[str, Suite] = {
     "planner": _suite("planner", "bandwidths_mbps", "factors", "lengths", "link", "suffix", "threads", "trials"),
     "server": _suite("server", "capacity_bytes", "client_processes", "inflight_bytes", "io_threads",
                      "overload_factor", "steady_s", "windows"),
+    "simulate": _suite("simulate", "demo", "pd", "requests"),
     "soak": _suite("soak", "capacity_bytes", "disk_capacity_bytes", "hits", "hold_s", "kill_every_s", "minutes",
                    "phases", "seed"),
     "prefix": _suite("prefix", "attention", "cached", "engine", "prefetch", "threads", "tokens", "trials", "vllm"),

@@ -10,6 +10,7 @@
     serve_cmd      ``kvport serve``: the shared KV tier server (also ``python -m kvport.cli.serve_cmd``)
     inspect_cmd    ``kvport inspect``: usage, owners and leaks of a running server
     plan_cmd       ``kvport plan``: the planner's options, predicted times, choice and crossover for one request
+    simulate_cmd   ``kvport simulate``: a trace replayed through a simulated prefill/decode deployment (--sweep)
     calibrate_cmd  ``kvport calibrate``: measure this machine and save the planner's profile
     eval_cmd       ``kvport eval quality``: codec quality on the reference model, as JSON
     bench_cmd      ``kvport bench SUITE``: run a benchmark suite, print its JSON report

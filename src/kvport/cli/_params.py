@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from kvport.errors import UnitError
+from kvport.errors import SpecError, UnitError
 from kvport.units import parse_bandwidth, parse_size
 
 
@@ -56,6 +56,38 @@ def as_seconds(ctx: click.Context, param: click.Parameter, value: float | None) 
 def as_seconds_or_zero(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
     """As :func:`as_seconds`, 0 allowed."""
     return _seconds(ctx, param, value, allow_zero=True)
+
+
+def as_fraction(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """A ``type=float`` option that is a fraction in (0, 1] (an efficiency, a share of memory)."""
+    if value is None:
+        return None
+    if not math.isfinite(value) or not 0 < value <= 1:
+        raise click.BadParameter(f"must be a fraction in (0, 1], got {value}", ctx, param)
+    return value
+
+
+def as_dtype(value: str, flag: str) -> str:
+    """A dtype's canonical name (``bfloat16`` -> ``bf16``); BadParameter naming ``flag`` otherwise."""
+    from kvport.spec import DType
+
+    try:
+        return DType.parse(value).value
+    except SpecError as exc:
+        raise click.BadParameter(str(exc), param_hint=f"'{flag}'") from exc
+
+
+def as_device(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An accelerator preset's name or ``cpu`` (:mod:`kvport.planner.devices`), lower-cased; not
+    measured here (``cpu`` is timed only where its numbers are used)."""
+    if value is None:
+        return None
+    from kvport.planner.devices import device_names
+
+    key = value.lower().strip()
+    if key not in device_names():
+        raise click.BadParameter(f"unknown device {value!r}: expected one of {', '.join(device_names())}", ctx, param)
+    return key
 
 
 def writable_file(path: str, flag: str) -> Path:

@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "proxy": ("kvport.cli.proxy_cmd", "proxy_cmd"),
     "inspect": ("kvport.cli.inspect_cmd", "inspect_cmd"),
     "plan": ("kvport.cli.plan_cmd", "plan"),
+    "simulate": ("kvport.cli.simulate_cmd", "simulate_cmd"),
     "calibrate": ("kvport.cli.calibrate_cmd", "calibrate_cmd"),
     "eval": ("kvport.cli.eval_cmd", "eval_group"),
     "bench": ("kvport.cli.bench_cmd", "bench"),

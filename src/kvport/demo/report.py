@@ -40,6 +40,7 @@ class Turn:
     prompt: list[int] = field(default_factory=list)  # the kvport run's prompt
     session: str = ""
     history_tokens: int = 0  # the session's tokens before this turn (the baseline's)
+    started_s: float | None = None  # when its prefill was asked, from the first turn's (kvport run)
 
     @property
     def equal(self) -> bool:
@@ -66,10 +67,26 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else round(a / b, 2)
 
 
+def block_ids(turns: list[Turn], block_size: int) -> dict[str, list[int]]:
+    """Each turn's full prompt blocks as small chained ids, equal where two prompts share the whole
+    prefix up to that block: a Mooncake-format trace of the run (``kvport bench simulate`` replays it)."""
+    seen: dict[tuple[int, tuple[int, ...]], int] = {}
+    out: dict[str, list[int]] = {}
+    for t in turns:
+        parent, row = -1, []
+        for i in range(len(t.prompt) // block_size):
+            key = (parent, tuple(t.prompt[i * block_size:(i + 1) * block_size]))
+            parent = seen.setdefault(key, len(seen))
+            row.append(parent)
+        out[t.rid] = row
+    return out
+
+
 def summarize(turns: list[Turn], *, spec: KVSpec, raw_socket_gbps: float | None, restarts: int,
               errors: list[str], conditions: dict[str, Any]) -> dict[str, Any]:
     sealed = int(conditions.get("stored_bytes_per_block") or spec.bytes_per_block)
     done = [t for t in turns if t.prefill]
+    ids = block_ids(done, spec.block_size)
     later = [t for t in done if t.round > 1]
     xfer_bytes = _sum(done, "prefill", "transfer_bytes")
     busy = _sum(done, "prefill", "transfer_busy_s")
@@ -136,7 +153,8 @@ def summarize(turns: list[Turn], *, spec: KVSpec, raw_socket_gbps: float | None,
         "decode_fallbacks": [t.decode["fallback"] for t in done if t.decode.get("fallback")],
         "store_errors": [f"{t.rid}: {t.decode['store_error']}" for t in done if t.decode.get("store_error")],
         "errors": errors,
-        "per_turn": [{"rid": t.rid, "round": t.round, "user": t.user, "session": t.session,
+        "per_turn": [{"rid": t.rid, "start_s": None if t.started_s is None else round(t.started_s, 4),
+                      "block_ids": ids.get(t.rid, []), "round": t.round, "user": t.user, "session": t.session,
                       "history_tokens": t.history_tokens, "prompt_tokens": t.prompt_tokens,
                       "hit_tokens": t.prefill.get("hit_tokens"), "loaded_tokens": t.prefill.get("loaded_tokens"),
                       "choice": t.prefill.get("choice"), "ttft_baseline_s": round(t.baseline_ttft_s, 4),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import secrets
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,6 +186,7 @@ def run(opts: DemoOptions | None = None, json_path: Path | None = None,
                         if turn is until:
                             return
 
+            t_first: float | None = None  # when the first turn's prefill was asked
             by_user: dict[int, Turn] = {}
             by_system: dict[str, Turn] = {}  # the last turn of any session with this system prompt
             for t in turns:
@@ -215,6 +217,9 @@ def run(opts: DemoOptions | None = None, json_path: Path | None = None,
                     # prefill streams; its receive budget then fills and the prefill waits for credits
                     dw.send({"op": "expect", "rid": t.rid, "n_tokens": len(t.prompt)})
                     d_replies.append(("expecting", None))
+                    asked = time.perf_counter()
+                    t_first = asked if t_first is None else t_first
+                    t.started_s = asked - t_first
                     t.prefill = pw.call({"op": "prefill", "rid": t.rid, "prompt": t.prompt})
                     # the rest of the stream after the first token: its bytes over the link measured
                     # now (None when not measured: the deadline policy's maximum)

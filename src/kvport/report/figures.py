@@ -393,6 +393,49 @@ def _pd_end_to_end(f: dict[str, Fields]) -> Figure | None:
     return fig
 
 
+# ---------------------------------------------------------------------- the simulator against measurements
+def _simulated_vs_measured(f: dict[str, Fields]) -> Figure | None:
+    s = f["simulate"]
+    panels: list[tuple[str, list[tuple[float, float, str]]]] = []
+    pub = s.get("results.published.cases", [], need=False)
+    pts = [(_num(c.get("published")), _num(c.get("predicted")), "o" if str(c.get("case", "")).startswith("ttft")
+            else "s") for c in pub if isinstance(c, dict)]
+    panels.append(("Mooncake vLLM v1 PD page (s)\n(circles TTFT, squares KV transfer)",
+                   [(a, b, m) for a, b, m in pts if a and b]))
+    demo = s.get("results.demo.turns", [], need=False)
+    panels.append(("the demo run here: TTFT per turn (s)",
+                   [(a, b, "o") for a, b in ((_num(t.get("measured_s")), _num(t.get("predicted_s")))
+                                             for t in demo if isinstance(t, dict)) if a and b]))
+    load = s.get("results.load.cells", [], need=False)
+    panels.append(("bench pd's rates: goodput (req/s)\n(circles PD, squares colocated)",
+                   [(a, b, "o" if c.get("layout") == "pd" else "s")
+                    for c in load if isinstance(c, dict)
+                    for a, b in [(_num(c.get("measured_goodput_rps")), _num(c.get("predicted_goodput_rps")))]
+                    if a and b]))
+    panels = [p for p in panels if p[1]]
+    if not panels:
+        return None
+    fig, axes = _figure(len(panels), width=4.2, height=4.0)
+    for ax, (title, xs) in zip(axes, panels, strict=True):
+        lo = min(min(a, b) for a, b, _ in xs) / 1.5
+        hi = max(max(a, b) for a, b, _ in xs) * 1.5
+        ax.fill_between([lo, hi], [lo / 2, hi / 2], [lo * 2, hi * 2], color="#e8e8e8", label="within 2x")
+        ax.plot([lo, hi], [lo, hi], color="#888888", lw=1)
+        for marker in ("o", "s"):
+            sel = [(a, b) for a, b, m in xs if m == marker]
+            if sel:
+                ax.scatter([a for a, _ in sel], [b for _, b in sel], marker=marker, color="#3b75af", s=22)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+        ax.set_xlabel("measured / published")
+        ax.set_ylabel("predicted by kvport simulate")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+    return fig
+
+
 FIGURES: tuple[FigureSpec, ...] = (
     FigureSpec("ttft_vs_length", "Time to first token against prompt length", ("planner",),
                "Each option really run at each length and link speed (medians); circled: what the planner "
@@ -412,6 +455,9 @@ FIGURES: tuple[FigureSpec, ...] = (
                "The same shared-prefix multi-turn chats at each request rate, through kvport proxy to a prefill "
                "and a decode engine, and straight to one engine on every core with vLLM's prefix cache; right: "
                "where the mean time to first token went (the engines' and the proxy's /metrics).", _pd_end_to_end),
+    FigureSpec("simulated_vs_measured", "The simulator's predictions against measurements", ("simulate",),
+               "kvport simulate configured as each measured deployment: the diagonal is a perfect prediction, "
+               "the band a factor of 2.", _simulated_vs_measured),
     FigureSpec("demo_ttft_per_turn", "The demo: time to first token per turn", ("demo",),
                "Multi-turn chats and an agent session on the reference model, with kvport's reuse and without.",
                _demo_ttft_per_turn),

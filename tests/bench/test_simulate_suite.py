@@ -67,13 +67,13 @@ def test_demo_replay_loads_what_an_earlier_turn_left_in_the_tiers() -> None:
     links = {"host": Link("host", LinkKind.TIER, 1e9, 0.0, time.time()),
              "loopback": Link("loopback", LinkKind.PEER, 5e8, 1e-4, time.time())}
     first = list(range(10))
-    summary = {"conditions": {"block_size": 16, "tier_bytes": 1 << 30, "max_new_tokens": 4},
+    summary = {"conditions": {"block_size": 16, "shared_tier_pool_bytes": 1 << 30, "max_new_tokens": 4},
                "per_turn": [
                    {"rid": "u1-r1", "start_s": 0.0, "block_ids": first, "prompt_tokens": 170, "session": "s",
                     "ttft_kvport_s": 0.17},
                    {"rid": "u1-r2", "start_s": 5.0, "block_ids": [*first, 10, 11], "prompt_tokens": 200,
                     "session": "s", "ttft_kvport_s": 0.05}]}
-    out = demo_replay(summary, pf, links, None)
+    out = demo_replay(summary, pf, links, None, 0.01)
     a, b = out["turns"]
     assert a["predicted_s"] == pytest.approx(0.17)  # 170 tokens at 1 ms
     assert b["predicted_hit_tokens"] == 160 and b["predicted_choice"] == "load"  # the first turn's 10 blocks

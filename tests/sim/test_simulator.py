@@ -285,3 +285,32 @@ def test_tier_order_and_names_are_checked() -> None:
         dep(device_cache_tokens=8)
     with pytest.raises(SimInputError, match="colocated"):
         dep(mode="colocated", device_cache_tokens=1 << 20, decode_kv_tokens=1 << 20)
+
+
+def test_max_goodput_bisects_to_the_rate_where_the_slo_breaks() -> None:
+    from kvport.sim import max_goodput
+
+    # a made-up system that meets its SLO up to 3x the trace's rate
+    out = max_goodput(lambda x: {"meets_slo": x <= 3.0}, base_rps=2.0, steps=20)
+    assert out["rate_multiple"] == pytest.approx(3.0, rel=1e-3)
+    assert out["rate_rps"] == pytest.approx(6.0, rel=1e-3)
+    assert max_goodput(lambda x: {"meets_slo": False}, base_rps=2.0)["rate_rps"] == 0.0
+
+
+def test_a_credit_window_holds_the_prefill_until_the_decode_engine_takes_the_stream() -> None:
+    # the decode engine takes one request at a time (max_batch 1), 10 tokens at 10 ms; the link moves
+    # 1000 tokens/s; the window holds 20 tokens' KV. The second prefill (0.1 -> 0.2 s) streams to an
+    # engine still decoding the first until 0.2 + 0.1 + 10 x 0.01 = ~0.41 s: its last layer waits
+    # until all but the window (80 tokens, 0.08 s) has left after that
+    window = SPEC.request_bytes(20)
+    d = dep(stream="layerwise", max_batch=1, handoff_window_bytes=window, first_token="prefill")
+    sim, (a, b) = run(d, [req(0.0, 100, out=10), req(0.0, 100, out=10, ids=())])
+    assert a.prefill_end == pytest.approx(0.1)  # nothing ahead of it: the stream keeps up
+    assert b.transfer_start == pytest.approx(a.finish, abs=0.011)  # one step's estimate
+    assert b.prefill_end == pytest.approx(b.transfer_start + 0.08, rel=1e-6)
+    assert b.first_token == b.prefill_end  # the demo's TTFT: the prefill worker's first token
+    assert sim.back.credit_waits == 1 and sim.back.credit_wait_s == pytest.approx(b.prefill_end - 0.2)
+    # without the window the prefill never waits for the decode engine
+    _, (_, b2) = run(dep(stream="layerwise", max_batch=1, first_token="prefill"),
+                     [req(0.0, 100, out=10), req(0.0, 100, out=10, ids=())])
+    assert b2.prefill_end == pytest.approx(0.2)

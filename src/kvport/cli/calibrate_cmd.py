@@ -47,6 +47,9 @@ def calibrate_cmd(profile_path: str | None, threads: int | None, quick: bool, no
     from kvport.refmodel import MODEL_ID, load
 
     model, tok = load(settings.model_dir)
+    from kvport.engines.hf.cache import use_gqa_attention
+
+    use_gqa_attention(model)  # measure the attention kvport's transformers engine runs, not stock sdpa
     spec = from_hf_config(settings.model_dir, dtype="fp32", model_id=MODEL_ID)
     plan = PrefillPlan(lengths=(16, 32, 64), incremental=((32, 16),), trials=1) if quick else PrefillPlan()
     ids = reference_ids(tok, plan.max_tokens)

@@ -182,6 +182,12 @@ class Deployment:
     planner: bool = True  # per request: load the cached prefix or recompute, whichever is faster
     first_token: str = "decode"  # pd: which engine yields the first token ("prefill": the demo's workers)
     overhead_s: float = 0.0  # per request before its first token (HTTP hops, tokenizer, scheduler), assumed
+    handoff_window_bytes: int = 0  # >0: the receiver's credit window: a layer-wise stream gets at most this far
+    #                               ahead of a decode engine that has no batch slot free for it, and the
+    #                               prefill's last layer waits for the rest (the producer slows down)
+    window_waits_for_slot: bool = True  # the receiver drains its window only once a batch slot is free (an
+    #                                    engine's connector); False: it drains at the link's rate meanwhile
+    #                                    (the demo's decode worker receives on a thread of its own)
     handoff_block_tokens: int = 0  # >0: only whole blocks of this size are handed over; the decode engine
     #                               computes the rest (at least the last token) in the step it joins
     slo: SLO = field(default_factory=lambda: SLO(2.0, 0.1))
@@ -205,6 +211,7 @@ class Deployment:
         count("chunk_tokens", self.chunk_tokens)
         count("hold", self.hold)
         count("handoff_block_tokens", self.handoff_block_tokens, 0)
+        count("handoff_window_bytes", self.handoff_window_bytes, 0)
         if self.first_token not in ("decode", "prefill"):
             raise SimInputError(f"first_token must be 'decode' or 'prefill', got {self.first_token!r}")
         positive("overhead_s", self.overhead_s, zero_ok=True)

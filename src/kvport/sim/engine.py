@@ -15,7 +15,9 @@ Disaggregated (``mode="pd"``), one request::
               prompt + output tokens; streamed layer by layer beside the compute (``stream``
               "layerwise", done ``bytes / bandwidth / layers`` after the compute at the earliest)
               or after it ("after"), FIFO on that decode engine's link, through the codec if any;
-              no room: it waits (counted) and the prefill engine holds it
+              no room: it waits (counted) and the prefill engine holds it. With a credit window
+              (``handoff_window_bytes``) a stream gets at most that far ahead of a decode engine with
+              no batch slot free, so the prefill's last layer waits (counted: credit waits)
            -> the decode engine's next step takes it (continuous batching, up to ``max_batch``):
               its first step yields the first token (TTFT), each step one token (TPOT), the step
               costing D(batch, context tokens); the last token frees the reservation
@@ -88,6 +90,9 @@ class _Decode:
     finishing: list[tuple[int, int]] = field(default_factory=list)  # (step, idx) heap
     joining: deque[SimRequest] = field(default_factory=deque)
     fresh: list[SimRequest] = field(default_factory=list)  # joined this step: first token at its end
+    inbound: list[SimRequest] = field(default_factory=list)  # hand-offs on their way here
+    step_started: float = 0.0
+    last_step_s: float = 0.0
     stepping: bool = False
     step: int = 0
     busy_s: float = 0.0
@@ -105,6 +110,8 @@ class Pressure:
     prefill_stalls: int = 0  # times a prefill engine stopped starting work (holding ``hold`` prefills)
     prefill_stall_s: float = 0.0
     max_waiting: int = 0  # hand-offs waiting at once
+    credit_waits: int = 0  # prefills whose last layer waited for the receiver's credit window
+    credit_wait_s: float = 0.0
 
 
 class Simulator:
@@ -260,8 +267,36 @@ class Simulator:
         if self.dep.stream == "layerwise":  # the stream starts with the compute, when a decode engine has room
             d = self._pick_decode(r)
             if d is not None:
-                self._transfer(r, d, r.compute_start, overlap=True)
+                window = self.dep.handoff_window_bytes
+                ready = max(r.compute_start, self._slot_free_at(d)) \
+                    if window and self.dep.window_waits_for_slot else r.compute_start
+                self._transfer(r, d, ready, overlap=True)
+                if window:  # credits: all but the window must have left before the last layer is made
+                    bw = self.dep.link.bandwidth / (self.dep.codec.ratio if self.dep.codec else 1.0)
+                    done = r.transfer_start + self.dep.link.latency + max(0, r.handoff_bytes - window) / bw
+                    if done > r.prefill_end:
+                        self.back.credit_waits += 1
+                        self.back.credit_wait_s += done - r.prefill_end
+                        r.transfer_end += done - r.prefill_end
+                        r.prefill_end = done
+                        self.decoders[d].link_free = max(self.decoders[d].link_free, r.transfer_end)
         self._at(r.prefill_end, self._prefill_done, r, settle)
+
+    def _slot_free_at(self, d: int) -> float:
+        """When decode engine ``d`` will have a batch slot for one more request (estimated from its current
+        step time and the steps its earliest-finishing request has left)."""
+        dec = self.decoders[d]
+        if dec.running + len(dec.joining) + len(dec.inbound) < self.dep.max_batch:
+            return self.now
+        cands = []
+        if dec.finishing:
+            steps_left = max(0, dec.finishing[0][0] - dec.step)
+            cands.append(dec.step_started + steps_left * dec.last_step_s)
+        for q in (*dec.joining, *dec.inbound):  # not decoding yet: it arrives, then decodes all its tokens
+            step = self.dep.decode_compute.decode_step_seconds(1, q.trace.input_tokens)
+            left = q.trace.output_tokens - (1 if self.first_at_prefill else 0)
+            cands.append(max(self.now, q.transfer_end) + left * step)
+        return max(self.now, min(cands)) if cands else self.now
 
     def _pick_decode(self, r: SimRequest) -> int | None:
         need = r.trace.input_tokens + r.trace.output_tokens
@@ -286,6 +321,7 @@ class Simulator:
         else:
             end = max(end, r.prefill_end)
         dec.link_free = end
+        dec.inbound.append(r)
         r.transfer_start, r.transfer_end = start, end
         self.link_bytes["handoff"] += int(nbytes / (dep.codec.ratio if dep.codec else 1.0))
 
@@ -315,6 +351,7 @@ class Simulator:
         self.prefill_engines[r.engine].held -= 1
         self._try_prefill(r.engine)
         dec = self.decoders[r.decode]
+        dec.inbound.remove(r)
         if self.first_at_prefill and r.trace.output_tokens <= 1:  # nothing left to decode
             dec.running += 1  # joins only to leave: _finish keeps the counts whole
             dec.context += r.trace.input_tokens
@@ -365,6 +402,7 @@ class Simulator:
             return
         dec.max_running = max(dec.max_running, dec.running)
         dec.stepping = True
+        dec.step_started, dec.last_step_s = self.now, dur
         dec.busy_s += dur
         self._at(self.now + dur, self._step_done, d)
 

@@ -94,7 +94,8 @@ def summarize(sim: Simulator, reqs: Sequence[SimRequest]) -> dict[str, Any]:
         "backpressure": {"decode_waits": sim.back.decode_waits, "decode_wait_s": round(sim.back.decode_wait_s, 4),
                          "prefill_stalls": sim.back.prefill_stalls,
                          "prefill_stall_s": round(sum(e.stalled_s for e in sim.prefill_engines), 4),
-                         "max_waiting": sim.back.max_waiting},
+                         "max_waiting": sim.back.max_waiting, "credit_waits": sim.back.credit_waits,
+                         "credit_wait_s": round(sim.back.credit_wait_s, 4)},
         "compute": {"prefill": dep.prefill_compute.basis, "decode": dep.decode_compute.basis},
     }
 

@@ -54,8 +54,6 @@ the int8 capacity lever, then the summary over the six cells::
 from __future__ import annotations
 
 import heapq
-import json
-import lzma
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -65,6 +63,7 @@ from kvport.bench.harness import Report, SuiteOptions, conditions, finish
 from kvport.config import Settings
 from kvport.errors import KVPortError, UserInputError
 from kvport.evidence.timing import ratio
+from kvport.sim.trace import read_trace
 from kvport.spec import from_preset
 from kvport.store.eviction import DEFAULT_POLICY, POLICIES, make_policy
 from kvport.store.index import TierIndex
@@ -121,21 +120,9 @@ def default_trace(settings: Settings | None = None, name: str = TRACE_NAME) -> P
 
 
 def load_trace(path: Path, limit: int | None = None) -> list[list[int]]:
-    """Full-block id lists, one per request, in arrival order (a ``.xz`` file is read decompressed)."""
-    out: list[list[int]] = []
-    try:
-        with (lzma.open(path, "rt") if path.suffix == ".xz" else open(path)) as f:
-            for line in f:
-                if limit is not None and len(out) >= limit:
-                    break
-                if not line.strip():
-                    continue
-                row = json.loads(line)
-                full = int(row["input_length"]) // TRACE_BLOCK_TOKENS
-                out.append([int(h) for h in row["hash_ids"][:full]])
-    except (OSError, ValueError, KeyError, TypeError, lzma.LZMAError) as exc:
-        raise UserInputError(f"cannot read trace {path}: {exc}") from exc
-    return out
+    """Full-block id lists, one per request, in arrival order (a ``.xz`` file is read decompressed): the
+    simulator's strict reader (:func:`kvport.sim.trace.read_trace`), whose errors name the line and field."""
+    return [list(r.full_blocks(TRACE_BLOCK_TOKENS)) for r in read_trace(path, limit=limit)]
 
 
 def capacity_blocks(text: object, distinct: int) -> int:

@@ -71,7 +71,6 @@ class SimRequest:
 @dataclass(slots=True)
 class _Prefill:
     queue: deque[SimRequest] = field(default_factory=deque)
-    queued_tokens: int = 0
     load_tokens: int = 0  # prompt tokens routed here and not yet computed (queued or in service)
     busy: bool = False
     held: int = 0
@@ -179,12 +178,10 @@ class Simulator:
         if self.dep.mode == "pd":
             eng = self.prefill_engines[e]
             eng.queue.append(r)
-            eng.queued_tokens += r.trace.input_tokens
             self._try_prefill(e)
         else:
             d = self.decoders[e]
             d.prefills.append(r)
-            self.prefill_engines[e].queued_tokens += r.trace.input_tokens
             self._kick(e)
 
     def _load_of(self, e: int) -> int:
@@ -256,7 +253,6 @@ class Simulator:
             eng.stalled_s += self.now - eng.stalled_since
             eng.stalled_since = -1.0
         r = eng.queue.popleft()
-        eng.queued_tokens -= r.trace.input_tokens
         eng.busy = True
         r.prefill_start = self.now
         r.compute_start = self._plan(r, e)
@@ -462,7 +458,6 @@ class Simulator:
                 self.back.decode_wait_s += r.waited_for_decode
                 r.wait_since = -1.0
             dec.prefills.popleft()
-            self.prefill_engines[e].queued_tokens -= r.trace.input_tokens
             dec.reserved += need
             r.prefill_start = self.now
             ready = self._plan(r, e)

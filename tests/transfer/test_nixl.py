@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -149,6 +150,15 @@ def test_a_bad_grant_or_a_dead_peer_is_a_typed_error_within_the_deadline(peer: _
 SECRET = b"a-link-secret-of-at-least-16-bytes"
 
 
+def _duplex_data(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def _send_chunks(t: Any, data: np.ndarray) -> None:
+    for lo in range(0, data.nbytes, 1 << 20):  # a NIXL write each: above the 64 KiB sent inline
+        t.send([data.data[lo : lo + (1 << 20)]])
+
+
 def _ring_child(conn: Any, mode: str) -> None:  # the listening side of a nixl: link
     from kvport.transfer import links
 
@@ -160,6 +170,14 @@ def _ring_child(conn: Any, mode: str) -> None:  # the listening side of a nixl: 
         os._exit(3)
     n = conn.recv()
     buf = bytearray(n)
+    if mode == "duplex":  # its own stream sent while it reads the peer's: one agent, two threads
+        reader = threading.Thread(target=t.recv_into, args=([memoryview(buf)],))
+        reader.start()
+        _send_chunks(t, _duplex_data(n, 5))
+        reader.join(60)
+        conn.send(memops.xxh3_many([memoryview(buf)]))
+        conn.recv()
+        return
     t.recv_into([memoryview(buf)])
     t.send([buf])  # and back: the stream carries large sends both ways
     conn.send(memops.xxh3_many([memoryview(buf)]))
@@ -199,6 +217,31 @@ def test_a_nixl_link_carries_the_stream_exact_both_ways(ring_peer: Any) -> None:
         back = bytearray(data.nbytes)
         t.recv_into([memoryview(back)])
         assert conn.recv() == memops.xxh3_many([data.data]) and bytes(back) == data.tobytes()
+        conn.send("bye")
+    finally:
+        t.close()
+
+
+def test_a_nixl_link_carries_two_streams_at_once_exact(ring_peer: Any) -> None:
+    """Both sides send while they receive: each side's agent is posted to by its sending thread and
+    progressed by its receiving thread at the same time (what a hand-off link does: blocks one way,
+    credits and aborts the other). NIXL's unlocked default let the two corrupt the UCX worker."""
+    from kvport.transfer import links
+
+    conn, _address = ring_peer("duplex")
+    t = links.dial(_address, SECRET, timeout_s=20)
+    n = 48 << 20
+    try:
+        conn.send(n)
+        back = bytearray(n)
+        reader = threading.Thread(target=t.recv_into, args=([memoryview(back)],))
+        reader.start()
+        mine = _duplex_data(n, 4)
+        _send_chunks(t, mine)
+        reader.join(60)
+        assert not reader.is_alive()
+        assert conn.recv() == memops.xxh3_many([mine.data])
+        assert bytes(back) == _duplex_data(n, 5).tobytes()
         conn.send("bye")
     finally:
         t.close()

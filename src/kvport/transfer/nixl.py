@@ -112,7 +112,12 @@ def available() -> str | None:
 class _Agent:
     """One NIXL agent with one registered DRAM buffer (``buf``: contiguous uint8). ``progress_thread``:
     NIXL's own progress thread, which polls without pause (a whole core per agent, measured here, idle
-    or not); without it the agent progresses only when its owner polls it."""
+    or not); without it the agent progresses only when its owner polls it.
+
+    The agent is made thread-safe (NIXL's strict sync mode: every call under the agent's lock, a
+    UCX worker in multi-thread mode): a ring link's sending thread posts and polls its writes while
+    its receiving thread progresses the same agent for the peer's, and NIXL's default mode (no
+    locking) let the two corrupt the worker (a segfault, or UCX's arbiter assertion at teardown)."""
 
     def __init__(self, role: str, buf: np.ndarray, *, progress_thread: bool = True) -> None:
         if buf.dtype != np.uint8 or not buf.flags.c_contiguous:
@@ -120,8 +125,9 @@ class _Agent:
         api = _api()
         self.name = f"kvport-{role}-{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            self.agent = api.nixl_agent(self.name, api.nixl_agent_config(enable_prog_thread=progress_thread,
-                                                                         backends=["UCX"]))
+            self.agent = api.nixl_agent(self.name, api.nixl_agent_config(
+                enable_prog_thread=progress_thread, backends=["UCX"],
+                sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
             self.addr, self.nbytes = int(buf.ctypes.data), int(buf.nbytes)
             self._reg = self.agent.register_memory([(self.addr, self.nbytes, 0, "")], "DRAM")
         except Exception as exc:  # NIXL's own errors (nixlBackendError, ...): no kvport type below

@@ -15,8 +15,11 @@ One real ``kvport serve`` child process (host + disk tiers) and, in the same run
 - phase A (steady, in ``windows`` windows, default 4 x 5 s): 16 clients (threads in 4 processes:
   one process of 16 threads loses much of its CPU to GIL convoys), each a :class:`RemoteTier`
   with one connection, a mix of PUT (2-32 MiB), GET of its own earlier values, and LOOKUP of its
-  key chain; each client's working set is bounded so everything fits the host pool: a GET miss
-  here is a *lost* value;
+  key chain; each client's working set is bounded so everything fits the host pool: before a PUT
+  the client deletes its oldest values until its values, the new one included, hold at most 80% /
+  16 of the pool's pages (a value never more: under a 32 MiB budget, small runs draw smaller
+  values), so the server evicts nothing and a GET miss here is a *lost* value (it was: a client
+  trimmed its set after the PUT, and 16 PUTs landing at once overflowed a small pool);
 - phase B (overload): the same clients write twice the capacity; the server demotes and drops,
   and its RSS (sampled every 20 ms via psutil over the whole run) is compared with ``--capacity``.
 
@@ -65,7 +68,7 @@ import xxhash
 from kvport.bench.harness import Report, SuiteOptions, conditions, finish
 from kvport.client.conn import ClientConfig
 from kvport.client.remote import RemoteTier
-from kvport.errors import BlockNotFoundError, KVPortError
+from kvport.errors import BlockNotFoundError, ConfigError, KVPortError
 from kvport.evidence.limits import raw_socket_gbps
 from kvport.evidence.rawserver import RawServer
 from kvport.evidence.timing import gbps, ratio
@@ -130,27 +133,40 @@ class _ServerProc:
 class _Client:
     """One benchmark client: its keys, their (offset, size) in the shared random pool, its stats."""
 
-    def __init__(self, idx: int, port: int, pool: _Pool, budget: int, seed: int) -> None:
+    def __init__(self, idx: int, port: int, pool: _Pool, budget: int, page: int, seed: int) -> None:
         self.idx = idx
         self.tier = RemoteTier(ClientConfig(port=port, pool_size=1, backpressure_timeout_s=30.0))
         self.pool = pool.data
         self.out = bytearray(32 * MiB)
         self.check = _Checker(pool, np.frombuffer(self.out, dtype=np.uint8))
-        self.budget = budget
+        self.budget, self.page = budget, page
+        self.steady_max = steady_value_max(budget, page)
+        self.held = 0  # pages (in bytes) of the values in ``live``
         self.rng = np.random.default_rng(seed)
         self.live: dict[bytes, tuple[int, int]] = {}
         self.order: list[bytes] = []
         self.seq = 0
         self.s = _Stats()
 
-    def _new_value(self) -> tuple[bytes, int, int]:
-        size = int(self.rng.integers(2 * MiB, 32 * MiB + 1))
+    def _new_value(self, largest: int) -> tuple[bytes, int, int]:
+        size = int(self.rng.integers(2 * MiB, largest + 1))
         off = int(self.rng.integers(0, (len(self.pool) - size) // _PIECE + 1)) * _PIECE
         self.seq += 1
         return self.idx.to_bytes(4, "little") + self.seq.to_bytes(12, "little"), off, size
 
+    def _pages(self, size: int) -> int:
+        return -(-size // self.page) * self.page
+
     def put(self, keep: bool) -> None:
-        key, off, size = self._new_value()
+        """``keep``: the steady phase's working set -- room is made first (the oldest values deleted)
+        so that this client's values, the new one included, never hold more pages than its budget:
+        the clients together stay within the host pool, and a miss is a lost value, not an eviction
+        the load caused."""
+        key, off, size = self._new_value(self.steady_max if keep else 32 * MiB)
+        while keep and self.order and self.held + self._pages(size) > self.budget:
+            old = self.order.pop(0)
+            self.tier.delete(old)
+            self.held -= self._pages(self.live.pop(old)[1])
         t0 = time.perf_counter()
         res = self.tier.put_value(key, self.pool[off : off + size])
         self.s.put_lat.append(time.perf_counter() - t0)
@@ -160,10 +176,7 @@ class _Client:
         self.s.bytes_put += size
         self.live[key] = (off, size)
         self.order.append(key)
-        while keep and sum(sz for _, sz in self.live.values()) > self.budget:
-            old = self.order.pop(0)
-            self.tier.delete(old)
-            del self.live[old]
+        self.held += self._pages(size)
 
     def get(self, key: bytes, must_exist: bool) -> None:
         off, size = self.live[key]
@@ -287,11 +300,16 @@ def _client_thread(c: _Client, phase: str, arg: float) -> None:
         c.s.errors.append(f"{type(exc).__name__}: {exc}")
 
 
-def _worker(idxs: list[int], port: int, pool: _Pool, budget: int, overload_bytes: int, windows: int,
+def steady_value_max(budget: int, page: int) -> int:
+    """The largest value of the steady phase: 32 MiB, or the pages of a client's budget when fewer."""
+    return min(32 * MiB, budget // page * page)
+
+
+def _worker(idxs: list[int], port: int, pool: _Pool, budget: int, page: int, overload_bytes: int, windows: int,
             sync: Any, deadline: Any, out: Any) -> None:
     """One client process: ``len(idxs)`` client threads through the steady windows and the overload
     phase, each started and ended on the ``sync`` barrier; stats go to ``out``."""
-    clients = [_Client(i, port, pool, budget, seed=i + 1) for i in idxs]
+    clients = [_Client(i, port, pool, budget, page, seed=i + 1) for i in idxs]
     results: dict[str, Any] = {"steady_cpu_s": 0.0}
     sync.wait()  # connected
     phases = [("steady", -1.0)] * windows + [("overload", float(overload_bytes))]
@@ -334,7 +352,7 @@ class _Phases:
     raw_socket_gbps: list[float | None]  # before the first steady window and after each
 
 
-def _run_phases(port: int, server_pid: int, budget: int, overload_bytes: int, steady_s: float, procs: int,
+def _run_phases(port: int, server_pid: int, budget: int, page: int, overload_bytes: int, steady_s: float, procs: int,
                 windows: int, raw: Callable[[], float | None]) -> _Phases:
     """16 clients in ``procs`` forked processes (threads inside each; fewer GIL convoys than one
     process). Forked, so the random value pool is shared copy-on-write and nothing is re-imported.
@@ -348,8 +366,9 @@ def _run_phases(port: int, server_pid: int, budget: int, overload_bytes: int, st
     deadline = ctx.Value("d", 0.0)
     out = ctx.Queue()
     groups = [list(range(CLIENTS))[i::procs] for i in range(procs)]
-    workers = [ctx.Process(target=_worker, args=(g, port, pool, budget, overload_bytes, windows, sync, deadline, out),
-                           daemon=True) for g in groups]
+    workers = [ctx.Process(target=_worker, daemon=True,
+                           args=(g, port, pool, budget, page, overload_bytes, windows, sync, deadline, out))
+               for g in groups]
     for w in workers:
         w.start()
     sync.wait(timeout=300)  # every client connected
@@ -413,21 +432,25 @@ def run(opts: SuiteOptions) -> Report:
         srv = _ServerProc(["--listen", "127.0.0.1:0", "--capacity", str(capacity), "--disk", str(Path(tmp) / "disk"),
                            "--disk-capacity", str(capacity // 2), "--max-value", "32MiB",
                            "--inflight", str(inflight), "--no-spill", "--io-threads", str(io_threads),
-                           # steady state: the pool resident from the start. LRU: phase A keeps every client's
-                           # values within 80% of the pool, but puts in flight overshoot it for a moment in
-                           # small runs, and a miss there counts as lost; LRU drops the oldest values, which
-                           # their clients are deleting, where the default (fslru) drops the newest unread
-                           # ones first. The bench measures the server, not the eviction policy (bench trace).
+                           # steady state: the pool resident from the start. Phase A evicts nothing (every
+                           # client's pages, its put under way included, within 80% of the pool / 16); in the
+                           # overload LRU drops the oldest values, where the default (fslru) drops the newest
+                           # unread ones first. The bench measures the server, not the eviction policy (bench
+                           # trace).
                            "--prefault", "--eviction", "lru"])
         try:
             host_cap = int(srv.info["host_capacity"])
+            page = int(srv.info["page_bytes"])
             budget = int(host_cap * 0.8) // CLIENTS
+            if steady_value_max(budget, page) < 2 * MiB:
+                raise ConfigError(f"--set capacity_bytes={capacity}: a host pool of {host_cap} bytes leaves each of "
+                                  f"{CLIENTS} clients under the 2 MiB of the smallest value")
             per_client = int(overload * capacity) // CLIENTS
             single = _single_client(int(srv.info["port"]), 4 if opts.quick else 16)
             raw_server = RawServer(CLIENTS, procs)
             try:
-                ph = _run_phases(int(srv.info["port"]), srv.proc.pid, budget, per_client, steady_s, procs, windows,
-                                 lambda: raw_server.gbps(raw_seconds))
+                ph = _run_phases(int(srv.info["port"]), srv.proc.pid, budget, page, per_client, steady_s, procs,
+                                 windows, lambda: raw_server.gbps(raw_seconds))
             finally:
                 raw_server.close()
             a, b, wall_a, wall_b = ph.steady, ph.overload, ph.wall_steady_s, ph.wall_overload_s
@@ -471,7 +494,9 @@ def run(opts: SuiteOptions) -> Report:
     }
     cond.update(clients=CLIENTS, capacity_bytes=capacity, host_capacity_bytes=srv.info["host_capacity"],
                       disk_capacity_bytes=srv.info["disk_capacity"], page_bytes=srv.info["page_bytes"],
-                      inflight_bytes=inflight, overload_factor=overload, value_sizes="2-32 MiB uniform",
+                      inflight_bytes=inflight, overload_factor=overload,
+                      value_sizes=f"2-{steady_value_max(budget, page) / MiB:g} MiB uniform (steady: each client's "
+                      "values within 80% of the host pool / 16, room made before each put), 2-32 MiB (overload)",
                       mix="40% put, 45% get, 15% lookup",
                       steady_s=steady_s, link="tcp 127.0.0.1", client_processes=procs, server_io_threads=io_threads,
                       threads_per_process=CLIENTS // procs)

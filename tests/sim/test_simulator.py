@@ -310,6 +310,13 @@ def test_a_credit_window_holds_the_prefill_until_the_decode_engine_takes_the_str
     assert b.prefill_end == pytest.approx(b.transfer_start + 0.08, rel=1e-6)
     assert b.first_token == b.prefill_end  # the demo's TTFT: the prefill worker's first token
     assert sim.back.credit_waits == 1 and sim.back.credit_wait_s == pytest.approx(b.prefill_end - 0.2)
+    # through a codec of ratio 2 those 80 tokens' KV take half the link time (0.04 s): the bytes on the wire
+    from kvport.sim import CodecSpec
+
+    fast = CodecSpec("int8", 2.0, 1e15, 1e15)
+    _, (_, bc) = run(dep(stream="layerwise", max_batch=1, handoff_window_bytes=window, first_token="prefill",
+                         codec=fast), [req(0.0, 100, out=10), req(0.0, 100, out=10, ids=())])
+    assert bc.prefill_end == pytest.approx(bc.transfer_start + 0.04, rel=1e-6)
     # without the window the prefill never waits for the decode engine
     _, (_, b2) = run(dep(stream="layerwise", max_batch=1, first_token="prefill"),
                      [req(0.0, 100, out=10), req(0.0, 100, out=10, ids=())])

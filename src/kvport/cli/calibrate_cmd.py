@@ -43,12 +43,11 @@ def calibrate_cmd(profile_path: str | None, threads: int | None, quick: bool, no
         raise UserInputError(str(exc)) from exc
     if threads is not None:
         torch.set_num_threads(threads)
-    from kvport.planner.calibrate import PrefillPlan, calibrate, codecs_left_out, reference_ids  # torch: lazily
+    from kvport.engines.hf.cache import use_gqa_attention  # torch: lazily
+    from kvport.planner.calibrate import PrefillPlan, calibrate, codecs_left_out, reference_ids
     from kvport.refmodel import MODEL_ID, load
 
     model, tok = load(settings.model_dir)
-    from kvport.engines.hf.cache import use_gqa_attention
-
     use_gqa_attention(model)  # measure the attention kvport's transformers engine runs, not stock sdpa
     spec = from_hf_config(settings.model_dir, dtype="fp32", model_id=MODEL_ID)
     plan = PrefillPlan(lengths=(16, 32, 64), incremental=((32, 16),), trials=1) if quick else PrefillPlan()

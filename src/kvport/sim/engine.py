@@ -268,8 +268,7 @@ class Simulator:
                     if window and self.dep.window_waits_for_slot else r.compute_start
                 self._transfer(r, d, ready, overlap=True)
                 if window:  # credits: all but the window must have left before the last layer is made
-                    bw = self.dep.link.bandwidth / (self.dep.codec.ratio if self.dep.codec else 1.0)
-                    done = r.transfer_start + self.dep.link.latency + max(0, r.handoff_bytes - window) / bw
+                    done = r.transfer_start + self.dep.link.seconds(self._wire_bytes(max(0, r.handoff_bytes - window)))
                     if done > r.prefill_end:
                         self.back.credit_waits += 1
                         self.back.credit_wait_s += done - r.prefill_end
@@ -304,10 +303,14 @@ class Simulator:
         r.decode = best
         return best
 
+    def _wire_bytes(self, nbytes: float) -> float:
+        """What ``nbytes`` of KV take on the hand-off link (through its codec, if any)."""
+        return nbytes / self.dep.codec.ratio if self.dep.codec else nbytes
+
     def _transfer(self, r: SimRequest, d: int, ready: float, overlap: bool) -> None:
         dep, dec = self.dep, self.decoders[d]
         nbytes = float(r.handoff_bytes)
-        dur = dep.link.seconds(nbytes / (dep.codec.ratio if dep.codec else 1.0))
+        dur = dep.link.seconds(self._wire_bytes(nbytes))
         if dep.codec is not None:
             dur += nbytes / dep.codec.encode_bps + nbytes / dep.codec.decode_bps
         start = max(ready, dec.link_free)
@@ -319,7 +322,7 @@ class Simulator:
         dec.link_free = end
         dec.inbound.append(r)
         r.transfer_start, r.transfer_end = start, end
-        self.link_bytes["handoff"] += int(nbytes / (dep.codec.ratio if dep.codec else 1.0))
+        self.link_bytes["handoff"] += int(self._wire_bytes(nbytes))
 
     def _prefill_done(self, r: SimRequest, settle: tuple[int, Sequence[int], Sequence[Level], int]) -> None:
         e = r.engine

@@ -50,9 +50,15 @@ def test_client_killed_mid_write_leaves_no_visible_block(shared_server) -> None:
     c = srv.client()
     assert c.contains_many([key]) == [False]
     assert c.lookup([key]).hits == 0
+    assert before.server is not None
+    # the server learns of the kill from its socket, on its own time: wait for the writer's abort
+    # (bounded), then the reserved pages must be back: same blocks, same bytes
+    deadline = time.monotonic() + 10.0
+    while (now := c.stats().server) is not None and now.tiers != before.server.tiers and time.monotonic() < deadline:
+        time.sleep(0.05)
     s = c.stats()
-    assert s.server is not None and before.server is not None
-    assert s.server.tiers == before.server.tiers  # reserved pages went back: same blocks, same bytes
+    assert s.server is not None
+    assert s.server.tiers == before.server.tiers
     value = np.full(8 * MiB, 7, dtype=np.uint8)
     assert c.put_value(key, value).existed is False  # type: ignore[union-attr]
     out = bytearray(8 * MiB)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -300,12 +299,42 @@ def test_backpressure_timeout_returns_credits() -> None:
     assert isinstance(s.try_admit(), Rejected)  # 4 of 4 in use: above the high watermark
     with pytest.raises(BackpressureTimeout, match="peer: no credit"):  # the sender's reason, typed
         inc.wait(5)
-    # the receiver gives the credits back on abort: its thread marks the transfer aborted (which wakes
-    # the wait above) and then releases them, so they are back within moments, not necessarily yet
-    give_back_by = time.monotonic() + 5.0
-    while rx.pool.in_use and time.monotonic() < give_back_by:
-        time.sleep(0.01)
-    assert rx.pool.in_use == 0
+    # an abort gives the pages and the credits back before it wakes a waiter: both are back already
+    assert rx.pool.in_use == 0 and inc.dest.state.value == "aborted"
+
+
+def test_an_abort_wakes_its_waiters_only_once_pages_and_credits_are_back() -> None:
+    """A decode engine woken by an abort may free or reuse what the transfer held at once: the
+    receiver aborts the destination and returns the credits first (here the destination's abort is
+    held until the test lets it go; the waiter must not wake before)."""
+    lb = SPEC.bytes_per_layer_block
+    dst = np.zeros((N, SPEC.bytes_per_block), dtype=np.uint8)
+    let_go, aborting = threading.Event(), threading.Event()
+
+    class HeldAbort(BlockTableDestination):
+        def abort(self) -> None:
+            aborting.set()
+            assert let_go.wait(10)
+            super().abort()
+
+    s, rx = _run("inproc", lambda m: HeldAbort(dst, range(N), m), {"credit_timeout_s": 0.2},
+                 budget=4 * lb, auto_release=False)
+    h = s.begin(TransferMeta(SPEC, "held", peers.keys()))
+    inc = rx.next_transfer(5)
+    with pytest.raises(BackpressureTimeout):
+        s.send_layer(h, 0, peers.layer_views(peers.source(), SPEC, 0))  # credit for 4 of 8: the sender aborts
+    assert aborting.wait(5)
+    assert rx.pool.in_use > 0
+    with pytest.raises(PeerError, match="not finished"):  # the abort is under way, not done: no waiter wakes
+        inc.wait(0.3)
+    with pytest.raises(PeerError, match="did not arrive"):
+        inc.wait_for_layer(1, 0.1)
+    let_go.set()
+    with pytest.raises(BackpressureTimeout, match="peer: no credit"):
+        inc.wait(5)
+    assert rx.pool.in_use == 0 and inc.dest.state.value == "aborted"
+    s.close()
+    rx.close()
 
 
 def test_overload_backpressure_keeps_memory_and_blocks() -> None:

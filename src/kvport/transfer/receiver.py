@@ -26,8 +26,9 @@ a codec link, decoded). A transfer commits only when every bit of ``verified`` i
 Incoming state: RECEIVING -> COMMITTED | ABORTED (:meth:`Incoming._finish` is the one place that
 moves it; a second move raises). Any failure -- checksum, duplicate, protocol, lost blocks, a second
 owner, EOF or reset from the sender -- aborts the destination (no partial block linked), releases
-the transfer's bytes, wakes ``wait_for_layer`` waiters with the typed error and tells the sender when
-the connection still works.
+the transfer's bytes, then wakes ``wait``/``wait_for_layer`` waiters with the typed error (a waiter
+woken by an abort finds the pages and credits already back) and tells the sender when the connection
+still works.
 
 With a ledger (``Receiver(ledger=, owner=, peers=)``) a commit is a recorded hand-off: the sender's
 owner must be a known peer (else REFUSE with UnknownPeerError), blocks this ledger already owns are
@@ -137,19 +138,29 @@ class Incoming:
         self._verified = np.zeros(shape, dtype=np.bool_)  # its chunk passed its checksum (and decoded)
         self._n_verified = 0
         self._cond = threading.Condition()
+        self._settled = False  # finished and cleaned up: what waiters wait for
         self.t_begin = time.monotonic()
         self.t_done: float | None = None
         self.link = link  # the link's codec (None: raw block-layers)
 
-    def _finish(self, to: InState, error: KVPortError | None = None) -> bool:
+    def _finish(self, to: InState, error: KVPortError | None = None, settle: bool = True) -> bool:
+        """The move; ``settle=False`` claims it without waking waiters (an abort cleans up first,
+        then :meth:`_settle`)."""
         with self._cond:
             if self.state is not InState.RECEIVING:
                 if to is InState.ABORTED and self.state is InState.ABORTED:
                     return False
                 raise IllegalMoveError(f"incoming {self.tid}: {self.state.value} -> {to.value}")
             self.state, self.error, self.t_done = to, error, time.monotonic()
-            self._cond.notify_all()
+            if settle:
+                self._settled = True
+                self._cond.notify_all()
             return True
+
+    def _settle(self) -> None:
+        with self._cond:
+            self._settled = True
+            self._cond.notify_all()
 
     def _claim(self, layer: int, n_layers: int, b0: int, n_blocks: int) -> bool:
         """Mark the block-layers of one LAYER frame as arriving; False when one of them already did."""
@@ -190,9 +201,9 @@ class Incoming:
         if layer not in self.meta.layers:
             raise TransferError(f"layer {layer} is not part of transfer {self.tid} ({self.meta.layers})")
         with self._cond:
-            ok = self._cond.wait_for(lambda: self.layer_ready(layer) or self.state is not InState.RECEIVING,
-                                     timeout)
-            if self.state is InState.ABORTED and self.error is not None:
+            ok = self._cond.wait_for(lambda: self._settled or (self.layer_ready(layer)
+                                                               and self.state is not InState.ABORTED), timeout)
+            if self._settled and self.state is InState.ABORTED and self.error is not None:
                 raise self.error
             if not ok or not self.layer_ready(layer):
                 raise PeerError(f"layer {layer} of transfer {self.tid} did not arrive within {timeout} s")
@@ -200,11 +211,10 @@ class Incoming:
     def wait(self, timeout: float | None = None) -> Incoming:
         """Until committed (returns self) or aborted (raises the error)."""
         with self._cond:
-            ok = self._cond.wait_for(lambda: self.state is not InState.RECEIVING, timeout)
+            if not self._cond.wait_for(lambda: self._settled, timeout):
+                raise PeerError(f"transfer {self.tid} not finished within {timeout} s")
             if self.error is not None:
                 raise self.error
-            if not ok:
-                raise PeerError(f"transfer {self.tid} not finished within {timeout} s")
         return self
 
 
@@ -547,7 +557,7 @@ class Receiver:
 
     def _abort(self, cur: Incoming, err: KVPortError, tell_sender: bool = True) -> None:
         terr = _transfer_error(err)
-        if not cur._finish(InState.ABORTED, terr):
+        if not cur._finish(InState.ABORTED, terr, settle=False):
             return
         OUTCOMES.labels(role="receiver", outcome=type(err).__name__).inc()
         try:
@@ -556,5 +566,6 @@ class Receiver:
             with cur._cond:
                 held, cur.bytes_held = cur.bytes_held, 0
             self.release(held)  # credits returned
+            cur._settle()  # only now are waiters woken: pages and credits are back
             if tell_sender:
                 self._send(TransferAbort(cur.tid, terr))

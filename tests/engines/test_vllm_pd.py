@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,14 @@ def _computed(url: str) -> float:
 
 def _external(url: str) -> float:
     return metric(url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+
+def _until(cond: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    """Wait for what another process does on its own time (bounded: ``what`` fails the test)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
 
 
 @dataclass
@@ -205,8 +213,11 @@ def test_bad_hand_offs_are_recomputed_never_a_wrong_token_and_the_reason_is_logg
     assert keys[(len(p) - 1) // BLOCK - 1].hex() == params["kvport"]["last_key"]
     tier = pd.server.client()
     try:
+        n_blocks = (len(p) - 1) // BLOCK  # leased by the producer's worker once the blocks are written behind
+        _until(lambda: any(row.blocks == n_blocks for row in tier.stats().leases), "the hand-off was never leased")
         assert tier.delete(keys[5]) is False  # leased for the decode engine: a DELETE leaves it
-        time.sleep(LEASE_S + 0.5)  # the lease lapsed: now it can go, and comes back damaged
+        time.sleep(LEASE_S)  # the lease lapses: then it can go (once the server's reaper ran), and comes back damaged
+        _until(lambda: not tier.stats().leases, "the hand-off's lease never lapsed")
         assert tier.delete(keys[5]) is True
         tier.put_value(keys[5], bytes(stored_bytes(spec)), parent=keys[4])
     finally:
@@ -320,12 +331,14 @@ def test_a_hand_off_lease_lapses_and_leaves_nothing_held(pd: Deployment) -> None
     try:
         # the producer's worker commits the hand-off once the server holds the blocks (written behind the
         # save): leased to the pool there, then the request reported as sent and its vLLM blocks freed
-        deadline = time.monotonic() + 15
-        while not any(row.blocks == n for row in tier.stats().leases):
-            assert time.monotonic() < deadline, "the hand-off was never leased in the shared tier"
-            time.sleep(0.05)
-        assert metric(pd.prefill.url, "kvport_vllm_pd_handoffs_total", outcome="leased") >= 1
-        time.sleep(LEASE_S + 1.5)
+        _until(lambda: any(row.blocks == n for row in tier.stats().leases),
+               "the hand-off was never leased in the shared tier")
+        # counted by the worker once the lease's answer is back (after the server shows it)
+        _until(lambda: metric(pd.prefill.url, "kvport_vllm_pd_handoffs_total", outcome="leased") >= 1,
+               "the lease was never counted")
+        time.sleep(LEASE_S)
+        # the server's reaper ends a lapsed lease at its next tick (every second, later under load)
+        _until(lambda: not tier.stats().leases, "the hand-off's lease never lapsed")
         stats, leaks = tier.stats(), tier.leaks()
         assert not stats.leases and not stats.pins and leaks.clean
     finally:

@@ -7,7 +7,10 @@ and never an error outside kvport's tree."""
 from __future__ import annotations
 
 import os
+import re
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,6 +19,26 @@ from kvport.errors import BlockNotFoundError, TierUnavailableError
 from kvport.tiers import RedisTier
 
 pytestmark = pytest.mark.redis
+
+
+def _until(cond: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def _replicated(cluster: Any, primary: int) -> bool:
+    """Every replica of ``primary`` has acknowledged its whole replication stream (the offsets its
+    INFO replication reports; replicas acknowledge every second)."""
+    fields = dict(line.split(":", 1) for line in cluster.cmd(primary, "INFO", "replication").splitlines()
+                  if ":" in line)
+    if "master_repl_offset" not in fields:
+        return False
+    head = int(fields["master_repl_offset"])
+    replicas = [dict(kv.split("=", 1) for kv in v.split(","))
+                for k, v in fields.items() if re.fullmatch(r"slave\d+", k)]
+    return bool(replicas) and all(int(r.get("offset", -1)) >= head for r in replicas)
 
 
 def _values(n: int, size: int, seed: int = 0) -> dict[bytes, np.ndarray]:
@@ -58,8 +81,9 @@ def test_a_primary_killed_mid_run_gives_exact_bytes_or_typed_misses_and_its_repl
     try:
         values = _values(60, 2000, seed=2)
         tier.put_many(list(values.items()))
-        time.sleep(0.3)  # replication is asynchronous: let the replicas catch up (unacknowledged otherwise)
         victim = redis_cluster.primary_of(tier._k(next(iter(values))))
+        # replication is asynchronous: the values count as written once the victim's replica has them
+        _until(lambda: _replicated(redis_cluster, victim), "the replica never caught up")
         redis_cluster.kill(victim)
         wrong, misses, reads = 0, 0, 0
         deadline = time.monotonic() + 30
@@ -225,8 +249,8 @@ def test_a_primary_partitioned_away_then_back_rejoins_as_a_replica_and_nothing_a
                 pass
         redis_cluster.resume(victim)  # the partition heals
         redis_cluster.wait_ok()
-        time.sleep(1.0)
-        assert victim not in redis_cluster.primaries()  # back as a replica, not a second primary
+        # back as a replica, not a second primary (it learns of its demotion by gossip, on its own time)
+        _until(lambda: victim not in redis_cluster.primaries(), "the healed primary stayed a primary")
         for k, v in acked.items():
             out = bytearray(v.nbytes)
             end = time.monotonic() + 10

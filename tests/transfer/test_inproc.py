@@ -319,22 +319,25 @@ def test_an_abort_wakes_its_waiters_only_once_pages_and_credits_are_back() -> No
 
     s, rx = _run("inproc", lambda m: HeldAbort(dst, range(N), m), {"credit_timeout_s": 0.2},
                  budget=4 * lb, auto_release=False)
-    h = s.begin(TransferMeta(SPEC, "held", peers.keys()))
-    inc = rx.next_transfer(5)
-    with pytest.raises(BackpressureTimeout):
-        s.send_layer(h, 0, peers.layer_views(peers.source(), SPEC, 0))  # credit for 4 of 8: the sender aborts
-    assert aborting.wait(5)
-    assert rx.pool.in_use > 0
-    with pytest.raises(PeerError, match="not finished"):  # the abort is under way, not done: no waiter wakes
-        inc.wait(0.3)
-    with pytest.raises(PeerError, match="did not arrive"):
-        inc.wait_for_layer(1, 0.1)
-    let_go.set()
-    with pytest.raises(BackpressureTimeout, match="peer: no credit"):
-        inc.wait(5)
-    assert rx.pool.in_use == 0 and inc.dest.state.value == "aborted"
-    s.close()
-    rx.close()
+    try:
+        h = s.begin(TransferMeta(SPEC, "held", peers.keys()))
+        inc = rx.next_transfer(5)
+        with pytest.raises(BackpressureTimeout):
+            s.send_layer(h, 0, peers.layer_views(peers.source(), SPEC, 0))  # credit for 4 of 8: the sender aborts
+        assert aborting.wait(5)
+        assert rx.pool.in_use > 0 and not inc.settled
+        with pytest.raises(PeerError, match="not finished"):  # the abort is under way, not done: no waiter wakes
+            inc.wait(0.3)
+        with pytest.raises(PeerError, match="did not arrive"):
+            inc.wait_for_layer(1, 0.1)
+        let_go.set()
+        with pytest.raises(BackpressureTimeout, match="peer: no credit"):
+            inc.wait(5)
+        assert inc.settled and rx.pool.in_use == 0 and inc.dest.state.value == "aborted"
+    finally:
+        let_go.set()
+        s.close()
+        rx.close()
 
 
 def test_overload_backpressure_keeps_memory_and_blocks() -> None:

@@ -192,6 +192,11 @@ class Incoming:
         return 0 <= li < self._verified.shape[0] and bool(self._verified[li].all())
 
     @property
+    def settled(self) -> bool:
+        """Committed, or aborted with its pages and credits back: :meth:`wait` answers at once."""
+        return self._settled
+
+    @property
     def complete(self) -> bool:
         return self._n_verified == self._verified.size
 
@@ -297,9 +302,12 @@ class Receiver:
         """The consumer gives up on ``inc`` (its load's deadline passed): the transfer is void --
         nothing of it is linked, the destination is aborted, the credits it held come back and the
         sender is told (its ledger gives the blocks back to their owner). A transfer that already
-        committed or aborted is left as it is."""
+        committed or aborted is left as it is (an abort under way on the receiving thread is waited
+        for: its cleanup is local, bounded here at 5 s)."""
         if inc.state is InState.RECEIVING:
             self._abort(inc, DeadlineExceeded(reason))
+        with inc._cond:
+            inc._cond.wait_for(lambda: inc._settled, 5.0)
 
     def close(self) -> None:
         self.t.close()
@@ -559,13 +567,18 @@ class Receiver:
         terr = _transfer_error(err)
         if not cur._finish(InState.ABORTED, terr, settle=False):
             return
-        OUTCOMES.labels(role="receiver", outcome=type(err).__name__).inc()
+        grant = None
         try:
+            OUTCOMES.labels(role="receiver", outcome=type(err).__name__).inc()
             cur.dest.abort()
         finally:
-            with cur._cond:
-                held, cur.bytes_held = cur.bytes_held, 0
-            self.release(held)  # credits returned
-            cur._settle()  # only now are waiters woken: pages and credits are back
+            try:
+                with cur._cond:
+                    held, cur.bytes_held = cur.bytes_held, 0
+                grant = self.pool.release(held)  # credits back in the pool
+            finally:
+                cur._settle()  # only now are waiters woken (whatever failed above): pages and credits are back
+            if grant is not None and self.bp.enabled:  # then the peer is told, which may wait on the socket
+                self._send(Credit(grant))
             if tell_sender:
                 self._send(TransferAbort(cur.tid, terr))

@@ -51,7 +51,6 @@ from kvport.ledger import Ledger, Owner
 from kvport.spec import DType, from_hf_config
 from kvport.transfer import BlockTableDestination, Incoming, Receiver, TransferMeta
 from kvport.transfer.handoff import HandoffListener
-from kvport.transfer.receiver import InState
 from kvport.workers import messages
 from kvport.workers.quiet import quiet_transformers
 
@@ -187,7 +186,7 @@ class DecodeWorker:
                 return wait()
             except PeerError:
                 rx = self.receiver
-                if rx is None or rx.closed.is_set() or (inc is not None and inc.state is not InState.RECEIVING):
+                if rx is None or rx.closed.is_set() or (inc is not None and inc.settled):
                     raise
 
     def expect(self, rid: str, n_tok: int) -> None:

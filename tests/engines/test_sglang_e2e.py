@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from kvport.client.conn import ClientConfig
 from kvport.client.remote import RemoteTier
 from kvport.deploy.sglang_serve import SGLangServer, storage_tokens
 from kvport.deploy.vllm_serve import KVPortServer, free_ports
+from tests.waits import until
 
 SHIMS = Path(__file__).resolve().parents[1] / "support" / "sglang_cpu"
 PAGE = 64
@@ -34,13 +33,6 @@ def _held(port: int) -> int:
         return int(client.used_bytes) // (PAGE * 46_080)
     finally:
         client.close()
-
-
-def _wait_until(cond: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "the shared tier never got the first engine's pages"
-        time.sleep(0.2)
 
 
 def _server(model_dir: Path, port: int, tmp: Path, name: str, storage: str | None, **kw: object) -> SGLangServer:
@@ -71,7 +63,7 @@ def test_second_engine_loads_what_the_first_stored(model_dir: Path, tmp_path: Pa
         assert first["output_ids"] == want and storage_tokens(first) == 0
         # HiCache writes the pages to storage behind the request (its backup thread): wait for all 10
         pages = len(prompt) // PAGE
-        _wait_until(lambda: _held(shared.port) >= pages, 60)
+        until(lambda: _held(shared.port) >= pages, "the shared tier never got the first engine's pages", 60, 0.2)
         a.stop()  # a's process is gone: only the shared tier has its pages
         b.start()
         b.wait_healthy()

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from kvport.engines.vllm.identity import engine_spec
 from kvport.keys import KeyContext, chain_keys
 from tests.engines.vllm_http import metric, post
 from tests.server.conftest import ServerProc, base_args
+from tests.waits import until
 
 pytestmark = [
     pytest.mark.slow,
@@ -47,14 +48,6 @@ def _computed(url: str) -> float:
 
 def _external(url: str) -> float:
     return metric(url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-
-
-def _until(cond: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    """Wait for what another process does on its own time (bounded: ``what`` fails the test)."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 @dataclass
@@ -214,10 +207,10 @@ def test_bad_hand_offs_are_recomputed_never_a_wrong_token_and_the_reason_is_logg
     tier = pd.server.client()
     try:
         n_blocks = (len(p) - 1) // BLOCK  # leased by the producer's worker once the blocks are written behind
-        _until(lambda: any(row.blocks == n_blocks for row in tier.stats().leases), "the hand-off was never leased")
+        until(lambda: any(row.blocks == n_blocks for row in tier.stats().leases), "the hand-off was never leased")
         assert tier.delete(keys[5]) is False  # leased for the decode engine: a DELETE leaves it
         time.sleep(LEASE_S)  # the lease lapses: then it can go (once the server's reaper ran), and comes back damaged
-        _until(lambda: not tier.stats().leases, "the hand-off's lease never lapsed")
+        until(lambda: not tier.stats().leases, "the hand-off's lease never lapsed")
         assert tier.delete(keys[5]) is True
         tier.put_value(keys[5], bytes(stored_bytes(spec)), parent=keys[4])
     finally:
@@ -331,14 +324,14 @@ def test_a_hand_off_lease_lapses_and_leaves_nothing_held(pd: Deployment) -> None
     try:
         # the producer's worker commits the hand-off once the server holds the blocks (written behind the
         # save): leased to the pool there, then the request reported as sent and its vLLM blocks freed
-        _until(lambda: any(row.blocks == n for row in tier.stats().leases),
+        until(lambda: any(row.blocks == n for row in tier.stats().leases),
                "the hand-off was never leased in the shared tier")
         # counted by the worker once the lease's answer is back (after the server shows it)
-        _until(lambda: metric(pd.prefill.url, "kvport_vllm_pd_handoffs_total", outcome="leased") >= 1,
+        until(lambda: metric(pd.prefill.url, "kvport_vllm_pd_handoffs_total", outcome="leased") >= 1,
                "the lease was never counted")
         time.sleep(LEASE_S)
         # the server's reaper ends a lapsed lease at its next tick (every second, later under load)
-        _until(lambda: not tier.stats().leases, "the hand-off's lease never lapsed")
+        until(lambda: not tier.stats().leases, "the hand-off's lease never lapsed")
         stats, leaks = tier.stats(), tier.leaks()
         assert not stats.leases and not stats.pins and leaks.clean
     finally:

@@ -25,6 +25,7 @@ from kvport.engines.vllm.worker import AsyncLoads, BlockMover
 from kvport.keys import KeyContext, chain_keys
 from kvport.spec import DType, KVSpec, Layout
 from kvport.transfer import nixl
+from tests.waits import until
 
 SPEC = KVSpec("m", num_layers=3, num_kv_heads=2, head_dim=8, dtype=DType.FP32, block_size=4, layout=Layout.VLLM_CPU)
 CTX = KeyContext(block_size=4, spec_fingerprint=SPEC.fingerprint)
@@ -94,15 +95,6 @@ def test_stream_lands_every_layer_and_only_the_named_stream_is_taken(inbox: tupl
     out.close()
 
 
-def wait_until(cond, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_async_load_takes_the_stream_and_keeps_it_after_the_first_step(tmp_path: Path,
                                                                        inbox: tuple[Inbox, InboxServer]) -> None:
     box, srv = inbox
@@ -126,7 +118,7 @@ def test_async_load_takes_the_stream_and_keeps_it_after_the_first_step(tmp_path:
             failed.update(f)
             return "r" in done
 
-        assert wait_until(ended)
+        until(ended, "the stream never ended", 10.0, 0.01)
         assert failed == {5, 6}  # not streamed, not stored: vLLM recomputes them
         for name in src_kv:
             assert torch.equal(dst_kv[name][[0, 1, 2]], src_kv[name][[3, 7, 11]])
@@ -134,7 +126,7 @@ def test_async_load_takes_the_stream_and_keeps_it_after_the_first_step(tmp_path:
         time.sleep(0.1)
         assert box.free_blocks == box.capacity - 2 and st.contains_many(keys[:2]) == [False, False]
         loads.keep(["r"])
-        assert wait_until(lambda: box.free_blocks == box.capacity)
+        until(lambda: box.free_blocks == box.capacity, "the inbox never got its blocks back", 10.0, 0.01)
         assert st.contains_many(keys[:3]) == [True, True, True]  # the next turn's prefill finds them
         fmt = block_format(SPEC)  # sealed: a stored block that opens under its key
         buf = memoryview(bytearray(fmt.value_bytes))
@@ -165,7 +157,7 @@ def test_a_synchronous_take_copies_a_committed_stream_at_once_and_never_waits_fo
         for name in src_kv:
             assert torch.equal(dst_kv[name][[0, 1, 2]], src_kv[name][[4, 8, 12]])
         loads.keep(["r"])  # the first step ran: kept in the store, the inbox freed
-        assert wait_until(lambda: box.free_blocks == box.capacity)
+        until(lambda: box.free_blocks == box.capacity, "the inbox never got its blocks back", 10.0, 0.01)
         t0 = time.monotonic()
         other = chain_keys(list(range(100, 108)), CTX)
         assert loads.load_now([BlockCopy("s", tuple(other), (5, 6), None, new_stream_id())]) == [5, 6]
@@ -187,8 +179,8 @@ def test_a_stream_nobody_takes_goes_to_the_store_when_its_room_is_needed(tmp_pat
         assert stream_all(out, [first]) == []
         second = StreamCopy(new_stream_id(), srv.address, copy_of(2, [2, 3], "s"), 0)
         assert stream_all(out, [second]) == [second]  # no room yet: refused, the producer saves it itself
-        assert wait_until(lambda: all(st.contains_many(first.copy.keys)))  # the lapsed stream, kept
-        assert wait_until(lambda: box.free_blocks == 2)
+        until(lambda: all(st.contains_many(first.copy.keys)), "the lapsed stream was not kept in the store", 10.0, 0.01)
+        until(lambda: box.free_blocks == 2, "the inbox never freed all but 2 blocks", 10.0, 0.01)
         slots, why = box.take(second.stream, second.copy.keys, Deadline.after(5.0))
         assert slots == [] and "free blocks" in why  # refused streams answer at once, no wait
         third = StreamCopy(new_stream_id(), srv.address, copy_of(2, [4, 5], "t"), 0)
@@ -207,7 +199,7 @@ def test_incompatible_full_or_dead_inbox_falls_back_to_the_store(inbox: tuple[In
     sc = StreamCopy(new_stream_id(), srv.address, copy_of(2, [1, 2]), 0)
     out = producer(paged, srv.address, spec=other)
     assert stream_all(out, [sc]) == [sc]
-    assert wait_until(lambda: any("dtype" in str(e) for e in srv.refusals()))
+    until(lambda: any("dtype" in str(e) for e in srv.refusals()), "the mismatched dtype was never refused", 10.0, 0.01)
     # more blocks than the inbox holds: refused whole (bounded memory), saved the old way
     big = StreamCopy(new_stream_id(), srv.address, copy_of(9, list(range(9))), 0)
     out = producer(paged, srv.address, "127.0.0.1:1")

@@ -17,6 +17,7 @@ import pytest
 from kvport.client.remote import Stored
 from kvport.errors import TierFullError
 from kvport.protocol.rejects import Rejected, RejectReason
+from tests.waits import until
 
 from .conftest import TOKENS, MiB, base_args
 
@@ -53,9 +54,8 @@ def test_client_killed_mid_write_leaves_no_visible_block(shared_server) -> None:
     assert before.server is not None
     # the server learns of the kill from its socket, on its own time: wait for the writer's abort
     # (bounded), then the reserved pages must be back: same blocks, same bytes
-    deadline = time.monotonic() + 10.0
-    while (now := c.stats().server) is not None and now.tiers != before.server.tiers and time.monotonic() < deadline:
-        time.sleep(0.05)
+    until(lambda: (now := c.stats().server) is not None and now.tiers == before.server.tiers,
+          "the killed writer's reserved pages never came back", 10.0)
     s = c.stats()
     assert s.server is not None
     assert s.server.tiers == before.server.tiers

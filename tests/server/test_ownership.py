@@ -19,6 +19,7 @@ from kvport.cli.main import main
 from kvport.errors import LeaseError, ServerError, TierFullError, UnknownBlockError
 from kvport.lifetime import Lifetime
 from kvport.protocol.rejects import Rejected, RejectReason
+from tests.waits import until
 
 from .conftest import MiB, base_args
 
@@ -108,9 +109,9 @@ def test_a_killed_clients_leases_and_pins_lapse_at_their_ttl_never_later(server_
     assert [p.holder for p in rows[0].pins] == ["client:default/doomed"]
     assert c.delete_many([k(2)]) == 0  # held by the dead client's lease: nothing leaves yet
     # the server's reaper ends them at its first tick after the TTL (every second; later under load)
-    while (rows := c.owners([k(2)]).blocks) and any(r.leases or r.pins for r in rows) \
-            and time.monotonic() - t_kill < 2.0 + 10.0:
-        time.sleep(0.1)
+    until(lambda: not any(r.leases or r.pins for r in c.owners([k(2)]).blocks), "the dead client's hold never lapsed",
+          2.0 + 10.0 - (time.monotonic() - t_kill))
+    rows = c.owners([k(2)]).blocks
     assert all(r.leases == () and r.pins == () for r in rows)
     assert c.leaks().clean
     assert c.delete_many([k(2)]) == 1 and c.delete_many([k(0)]) == 1  # free again; the root takes its child along

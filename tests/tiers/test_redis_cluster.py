@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,15 +16,9 @@ import pytest
 
 from kvport.errors import BlockNotFoundError, TierUnavailableError
 from kvport.tiers import RedisTier
+from tests.waits import until
 
 pytestmark = pytest.mark.redis
-
-
-def _until(cond: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
 
 
 def _replicated(cluster: Any, primary: int) -> bool:
@@ -83,7 +76,7 @@ def test_a_primary_killed_mid_run_gives_exact_bytes_or_typed_misses_and_its_repl
         tier.put_many(list(values.items()))
         victim = redis_cluster.primary_of(tier._k(next(iter(values))))
         # replication is asynchronous: the values count as written once the victim's replica has them
-        _until(lambda: _replicated(redis_cluster, victim), "the replica never caught up")
+        until(lambda: _replicated(redis_cluster, victim), "the replica never caught up")
         redis_cluster.kill(victim)
         wrong, misses, reads = 0, 0, 0
         deadline = time.monotonic() + 30
@@ -250,7 +243,7 @@ def test_a_primary_partitioned_away_then_back_rejoins_as_a_replica_and_nothing_a
         redis_cluster.resume(victim)  # the partition heals
         redis_cluster.wait_ok()
         # back as a replica, not a second primary (it learns of its demotion by gossip, on its own time)
-        _until(lambda: victim not in redis_cluster.primaries(), "the healed primary stayed a primary")
+        until(lambda: victim not in redis_cluster.primaries(), "the healed primary stayed a primary")
         for k, v in acked.items():
             out = bytearray(v.nbytes)
             end = time.monotonic() + 10

@@ -153,8 +153,7 @@ class Incoming:
                 raise IllegalMoveError(f"incoming {self.tid}: {self.state.value} -> {to.value}")
             self.state, self.error, self.t_done = to, error, time.monotonic()
             if settle:
-                self._settled = True
-                self._cond.notify_all()
+                self._settle()
             return True
 
     def _settle(self) -> None:
@@ -294,7 +293,10 @@ class Receiver:
             with inc._cond:
                 nbytes = min(nbytes, inc.bytes_held)
                 inc.bytes_held -= nbytes
-        grant = self.pool.release(nbytes)
+        self._grant(self.pool.release(nbytes))
+
+    def _grant(self, grant: int | None) -> None:
+        """Tell the sender of credits the pool gave back (a socket write)."""
         if grant is not None and self.bp.enabled:
             self._send(Credit(grant))
 
@@ -578,7 +580,6 @@ class Receiver:
                 grant = self.pool.release(held)  # credits back in the pool
             finally:
                 cur._settle()  # only now are waiters woken (whatever failed above): pages and credits are back
-            if grant is not None and self.bp.enabled:  # then the peer is told, which may wait on the socket
-                self._send(Credit(grant))
+            self._grant(grant)  # then the peer is told, which may wait on the socket
             if tell_sender:
                 self._send(TransferAbort(cur.tid, terr))

@@ -25,8 +25,9 @@ from kvport.protocol.transfer import TransferMeta
 from kvport.spec import DType, KVSpec, Layout
 from kvport.transfer import links
 from kvport.transfer.sender import Sender
+from tests.waits import until
 
-from .test_vllm_stream import SECRET, engine_kv, inbox, producer, stream_all, wait_until
+from .test_vllm_stream import SECRET, engine_kv, inbox, producer, stream_all
 
 SPEC = KVSpec("m", num_layers=3, num_kv_heads=2, head_dim=8, dtype=DType.FP32, block_size=4, layout=Layout.VLLM_CPU)
 CTX = KeyContext(block_size=4, spec_fingerprint=SPEC.fingerprint)
@@ -285,7 +286,7 @@ def test_a_silent_connection_does_not_hold_up_the_inbox(served: tuple[Inbox, Inb
         sc = StreamCopy(new_stream_id(), srv.address, BlockCopy("r", tuple(keys_of(2)), (3, 4)), 0)
         assert stream_all(out, [sc]) == []  # committed while the silent ones wait for their handshake deadline
         out.close()
-        assert wait_until(lambda: srv.connections <= 1, timeout=links.HANDSHAKE_S + 10)  # the silent ones closed
+        until(lambda: srv.connections <= 1, "the silent connections stayed open", links.HANDSHAKE_S + 10, 0.01)
     finally:
         for s in silent:
             s.close()
@@ -296,7 +297,7 @@ def test_connections_are_capped() -> None:
     srv = InboxServer(box, "127.0.0.1:0", SECRET, max_connections=2)
     held = [raw_connect(srv.address) for _ in range(2)]
     try:
-        assert wait_until(lambda: srv.connections == 2)
+        until(lambda: srv.connections == 2, "the connections never opened", 10.0, 0.01)
         extra = raw_connect(srv.address)
         extra.settimeout(5)
         assert extra.recv(1) == b""  # closed at accept: over the cap
@@ -317,7 +318,7 @@ def test_a_producer_that_goes_silent_mid_transfer_gives_its_slots_back() -> None
         sid = new_stream_id()
         h = s.begin(TransferMeta(SPEC, sid, keys_of(3)), timeout_s=5.0)
         assert box.free_blocks == 1
-        assert wait_until(lambda: box.free_blocks == 4, timeout=10)  # abandoned past its deadline
+        until(lambda: box.free_blocks == 4, "not abandoned past its deadline", 10.0, 0.01)
         with pytest.raises(KVPortError):
             s.end(h, timeout_s=5.0)
         slots, why = box.take(sid, [k for k in keys_of(3)], Deadline.after(1.0))

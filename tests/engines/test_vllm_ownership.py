@@ -22,8 +22,9 @@ from kvport.engines.vllm.worker import AsyncLoads
 from kvport.keys import chain_keys
 from kvport.ledger import Ledger, Move, Owner
 from kvport.transfer.handoff import MAX_PEERS, engine_owner
+from tests.waits import until
 
-from .test_vllm_stream import CTX, HEADER, SECRET, SPEC, engine_kv, stream_all, wait_until
+from .test_vllm_stream import CTX, HEADER, SECRET, SPEC, engine_kv, stream_all
 
 PREFILL, DECODE = engine_owner("prefill", "p0"), engine_owner("decode", "d0")
 
@@ -66,10 +67,10 @@ def test_a_streamed_hand_off_is_recorded_in_both_ledgers_with_one_transfer_id(
     loads = AsyncLoads(SPEC, st, PagedKV(engine_kv(16, seed=None), SPEC), 4, inbox=box)
     try:
         loads.submit([BlockCopy("r", tuple(keys), (0, 1, 2), None, sid)])
-        assert wait_until(lambda: "r" in loads.take()[0])
+        until(lambda: "r" in loads.take()[0], "the load never ended", 10.0, 0.01)
         assert len(box.ledger) == 3  # the request holds them until its first step ran
         loads.keep(["r"])
-        assert wait_until(lambda: box.free_blocks == box.capacity)
+        until(lambda: box.free_blocks == box.capacity, "the inbox never got its blocks back", 10.0, 0.01)
     finally:
         loads.close()
     assert st.contains_many(keys) == [True] * 3
@@ -123,7 +124,8 @@ def test_a_lapsed_stream_goes_to_the_pool_recorded(tmp_path: Path) -> None:
         # the second needs the first's room: refused now (saved by the producer), the first lapses into the store
         sc = StreamCopy(new_stream_id(), srv.address, BlockCopy("s", tuple(second), (3, 4)), 0)
         assert stream_all(out, [sc]) == [sc]
-        assert wait_until(lambda: st.contains_many(first) == [True, True] and box.free_blocks == 2)
+        until(lambda: st.contains_many(first) == [True, True] and box.free_blocks == 2,
+              "the kept blocks never reached the store", 10.0, 0.01)
         for k in first:
             assert [m for m, *_ in moves(box.ledger, bytes(k))] == [Move.ACQUIRE, Move.SHARE, Move.FORGET]
         assert len(box.ledger) == 0 and not box.ledger.knows(bytes(second[0]))

@@ -7,9 +7,7 @@ and never an error outside kvport's tree."""
 from __future__ import annotations
 
 import os
-import re
 import time
-from typing import Any
 
 import numpy as np
 import pytest
@@ -19,19 +17,6 @@ from kvport.tiers import RedisTier
 from tests.waits import until
 
 pytestmark = pytest.mark.redis
-
-
-def _replicated(cluster: Any, primary: int) -> bool:
-    """Every replica of ``primary`` has acknowledged its whole replication stream (the offsets its
-    INFO replication reports; replicas acknowledge every second)."""
-    fields = dict(line.split(":", 1) for line in cluster.cmd(primary, "INFO", "replication").splitlines()
-                  if ":" in line)
-    if "master_repl_offset" not in fields:
-        return False
-    head = int(fields["master_repl_offset"])
-    replicas = [dict(kv.split("=", 1) for kv in v.split(","))
-                for k, v in fields.items() if re.fullmatch(r"slave\d+", k)]
-    return bool(replicas) and all(int(r.get("offset", -1)) >= head for r in replicas)
 
 
 def _values(n: int, size: int, seed: int = 0) -> dict[bytes, np.ndarray]:
@@ -76,7 +61,7 @@ def test_a_primary_killed_mid_run_gives_exact_bytes_or_typed_misses_and_its_repl
         tier.put_many(list(values.items()))
         victim = redis_cluster.primary_of(tier._k(next(iter(values))))
         # replication is asynchronous: the values count as written once the victim's replica has them
-        until(lambda: _replicated(redis_cluster, victim), "the replica never caught up")
+        until(lambda: redis_cluster.caught_up(victim), "the replica never caught up")
         redis_cluster.kill(victim)
         wrong, misses, reads = 0, 0, 0
         deadline = time.monotonic() + 30

@@ -7,6 +7,7 @@ joined by ``redis-cli --cluster create``; and the faults a deployment meets, mad
     c = RedisClusterProcs(folder).start()   # every slot served, every replica synced
     c.url                                   # redis://127.0.0.1:PORT/0 (any node: the client maps the rest)
     c.primary_of(b"kvport:{ab12}")          # the port of the primary serving that key's slot
+    c.caught_up(port)                       # its replicas acknowledged all it wrote
     c.kill(port)                            # SIGKILL: the node is gone, its replica is promoted
     c.pause(port) / c.resume(port)          # SIGSTOP / SIGCONT: a node cut off (a partition), or a
                                             # replica left behind (it stops applying the stream)
@@ -123,6 +124,17 @@ class RedisClusterProcs:
                 return time.monotonic() - t0
             time.sleep(0.1)
         raise PeerError(f"the Redis Cluster did not become ok within {timeout_s:.0f} s")
+
+    def caught_up(self, primary: int) -> bool:
+        """Every replica of ``primary`` has acknowledged its whole replication stream (the offsets of its
+        ``INFO replication``; replicas acknowledge every second): what it acknowledged survives its kill."""
+        fields = dict(ln.split(":", 1) for ln in self.cmd(primary, "INFO", "replication").splitlines() if ":" in ln)
+        if "master_repl_offset" not in fields:
+            return False
+        head = int(fields["master_repl_offset"])
+        replicas = [dict(kv.split("=", 1) for kv in v.split(",")) for k, v in fields.items()
+                    if k.startswith("slave") and k[5:].isdigit()]
+        return bool(replicas) and all(int(r.get("offset", -1)) >= head for r in replicas)
 
     # ------------------------------------------------------------------ topology
     def nodes(self) -> list[dict[str, Any]]:

@@ -1,10 +1,9 @@
 """One typed configuration, built once from environment variables (``KVPORT_*``) and flags.
 
-This is the only module of kvport that reads ``os.environ``, but for ``KVPORT_MEMOPS`` (the memory
-kernels: ``avx512``, ``avx2``, ``portable`` or ``fallback`` for a whole process tree), which
-:mod:`kvport.memops` reads at import: it is below this module and applies the choice in every
-process before anything hashes or copies. Everything else receives a :class:`Settings` (or one of its
-small value objects) explicitly.
+This is the only module of kvport that reads or sets ``os.environ``. Everything receives a
+:class:`Settings` (or one of its small value objects) explicitly, but for ``KVPORT_MEMOPS``, which
+:mod:`kvport.memops` asks for (:func:`memops_choice`) at its import, so that the choice holds in
+every process before anything hashes or copies.
 
 ==========================  =====================================================  ===========================
 variable                    meaning                                                default
@@ -21,6 +20,8 @@ KVPORT_LOG_LEVEL            logging level                                       
 KVPORT_TRACE_DIR            folder of benchmark traces (``bench trace``)            <checkout>/../shared/traces
 KVPORT_LOAD_DEADLINE        a load's deadline: ``MIN_S:FACTOR:MAX_S`` -- FACTOR x   1:4:30
                             the planner's expected load time, within [MIN_S, MAX_S]
+KVPORT_MEMOPS               the memory kernels of a whole process tree: avx512,    the widest this
+                            avx2, portable or fallback (numpy + xxhash)             CPU runs
 KVPORT_<SECTION>_<KEY>      any key of a config file (``kvport serve --config``,    the file's
                             docs/kvport.example.toml), e.g. KVPORT_SERVER_CAPACITY,
                             KVPORT_LIMITS_MAX_VALUE: overrides the file
@@ -29,8 +30,9 @@ KVPORT_<SECTION>_<KEY>      any key of a config file (``kvport serve --config``,
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +84,11 @@ def _deadline_policy(text: str | None) -> DeadlinePolicy:
         raise ConfigError(f"KVPORT_LOAD_DEADLINE={text!r}: {exc}") from None
 
 
+def memops_choice() -> str | None:
+    """``KVPORT_MEMOPS``, lower case (None: unset); :mod:`kvport.memops` checks the name."""
+    return os.environ.get("KVPORT_MEMOPS", "").strip().lower() or None
+
+
 def environ() -> dict[str, str]:
     """A copy of this process's variables, for :func:`kvport.configfile.load_config`: its ``KVPORT_*``
     overrides of a config file's keys (``KVPORT_`` + the key's dotted path in capitals, ``.`` as ``_``,
@@ -93,6 +100,26 @@ def export(variables: Mapping[str, str]) -> None:
     """Set ``variables`` in this process's environment, for the processes it starts
     (:func:`subprocess_env` copies it): ``kvport demo --config`` hands its file's keys to its servers so."""
     os.environ.update(variables)
+
+
+@contextlib.contextmanager
+def exported(variables: Mapping[str, str | None]) -> Iterator[None]:
+    """:func:`export` for a block: ``variables`` set (None: unset) inside it, each as it was after (a
+    benchmark picking UCX's transports for one of its runs)."""
+    old = {k: os.environ.get(k) for k in variables}
+    _assign(variables)
+    try:
+        yield
+    finally:
+        _assign(old)
+
+
+def _assign(variables: Mapping[str, str | None]) -> None:
+    for k, v in variables.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def subprocess_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

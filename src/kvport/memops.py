@@ -19,7 +19,6 @@ exception tree at their boundary.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +26,8 @@ from types import ModuleType
 
 import numpy as np
 import xxhash
+
+from kvport.config import memops_choice
 
 _native: ModuleType | None
 try:
@@ -58,9 +59,8 @@ def cpu_kernels() -> str:
     return next(name for name, needs in KERNEL_NEEDS if all(f in have for f in needs))
 
 
-# the one KVPORT_* variable not read by kvport.config: memops is below config in the layers and every
-# process applies it at import (a benchmark's spawned children too), before anything hashes or copies
-PICKED: str | None = os.environ.get("KVPORT_MEMOPS", "").strip().lower() or None
+# applied at import, so in every process (a benchmark's spawned children too) before anything hashes or copies
+PICKED: str | None = memops_choice()
 
 
 def _chosen(native: ModuleType | None) -> ModuleType | None:

@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 
 from kvport.bench.harness import Report, SuiteOptions, conditions, finish
+from kvport.config import export, exported
 from kvport.errors import KVPortError, TierError
 from kvport.evidence.netlink import LINKS, ShapedLink, in_netns, shape_of, unavailable
 from kvport.evidence.timing import gbps
@@ -128,11 +129,10 @@ def run(opts: SuiteOptions) -> Report:
 
 # ---------------------------------------------------------------------- NIXL
 def _nixl_child(conn: Any, blocks: int, tls: str | None) -> None:  # the receiver process
-    import os
     import socket
 
     if tls:
-        os.environ["UCX_TLS"] = tls
+        export({"UCX_TLS": tls})
     from kvport.transfer.nixl import NixlReceiver
 
     with NixlReceiver(_nixl_spec(), blocks) as r, socket.create_server(("127.0.0.1", 0)) as raw_l:
@@ -168,7 +168,6 @@ def _nixl_spec() -> Any:
 
 def _nixl(opts: SuiteOptions) -> dict[str, Any]:
     import multiprocessing as mp
-    import os
     import socket
 
     from kvport import memops
@@ -188,48 +187,42 @@ def _nixl(opts: SuiteOptions) -> dict[str, Any]:
         here, there = ctx.Pipe()
         proc = ctx.Process(target=_nixl_child, args=(there, blocks, tls), daemon=True)
         proc.start()
-        old = os.environ.get("UCX_TLS")
         try:
-            if tls:
-                os.environ["UCX_TLS"] = tls
-            (host, port), raw_port = here.recv()
-            kv_t: list[float] = []
-            bare_t: list[float] = []
-            raw_t: list[float] = []
-            with NixlSender(src) as snd:
-                flat = src.reshape(-1).data.cast("B")
-                sums = memops.xxh3_many([src[i].data for i in range(blocks)])
-                for r in range(trials + 1):  # the first round of each is a warm-up
-                    here.send("kv")
-                    t0 = time.perf_counter()
-                    snd.send(host, port, meta, digests=sums)  # the producer's checksums (see the docstring)
-                    t1 = time.perf_counter()
-                    status = here.recv()
-                    if status[0] != "ok":
-                        raise TierError(f"the NIXL receiver failed: {status[1]}")
-                    t2 = time.perf_counter()
-                    snd.write_granted()
-                    t3 = time.perf_counter()
-                    if tls:
-                        here.send("raw")
-                        here.send(nbytes)
-                        with socket.create_connection(("127.0.0.1", raw_port)) as c:
-                            tune(c)
-                            t4 = time.perf_counter()
-                            c.sendall(flat)
-                            c.recv(1)
-                            t5 = time.perf_counter()
+            with exported({"UCX_TLS": tls} if tls else {}):
+                (host, port), raw_port = here.recv()
+                kv_t: list[float] = []
+                bare_t: list[float] = []
+                raw_t: list[float] = []
+                with NixlSender(src) as snd:
+                    flat = src.reshape(-1).data.cast("B")
+                    sums = memops.xxh3_many([src[i].data for i in range(blocks)])
+                    for r in range(trials + 1):  # the first round of each is a warm-up
+                        here.send("kv")
+                        t0 = time.perf_counter()
+                        snd.send(host, port, meta, digests=sums)  # the producer's checksums (see the docstring)
+                        t1 = time.perf_counter()
+                        status = here.recv()
+                        if status[0] != "ok":
+                            raise TierError(f"the NIXL receiver failed: {status[1]}")
+                        t2 = time.perf_counter()
+                        snd.write_granted()
+                        t3 = time.perf_counter()
+                        if tls:
+                            here.send("raw")
+                            here.send(nbytes)
+                            with socket.create_connection(("127.0.0.1", raw_port)) as c:
+                                tune(c)
+                                t4 = time.perf_counter()
+                                c.sendall(flat)
+                                c.recv(1)
+                                t5 = time.perf_counter()
+                            if r:
+                                raw_t.append(t5 - t4)
                         if r:
-                            raw_t.append(t5 - t4)
-                    if r:
-                        kv_t.append(t1 - t0)
-                        bare_t.append(t3 - t2)
-            here.send("stop")
+                            kv_t.append(t1 - t0)
+                            bare_t.append(t3 - t2)
+                here.send("stop")
         finally:
-            if old is None:
-                os.environ.pop("UCX_TLS", None)
-            else:
-                os.environ["UCX_TLS"] = old
             proc.join(20)
             if proc.is_alive():
                 proc.kill()

@@ -25,7 +25,6 @@ generates by recomputing (the group agrees on 0 blocks), so the output stays the
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -35,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvport.config import export
 from kvport.errors import KVPortError
 from kvport.workers import messages
 from kvport.workers.quiet import quiet_transformers
@@ -45,8 +45,8 @@ _START_S = 300.0  # a decode rank waits this long for its driver's "go" (the pre
 def _join_group(cfg: dict[str, Any]) -> None:
     """The environment transformers' ``tp_plan`` reads to join this side's gloo group."""
     if cfg["size"] > 1:
-        os.environ.update(RANK=str(cfg["rank"]), LOCAL_RANK=str(cfg["rank"]), WORLD_SIZE=str(cfg["size"]),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["master_port"]))
+        export({"RANK": str(cfg["rank"]), "LOCAL_RANK": str(cfg["rank"]), "WORLD_SIZE": str(cfg["size"]),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(cfg["master_port"])})
 
 
 def main(conn: Connection, cfg: dict[str, Any]) -> None:

@@ -130,3 +130,20 @@ def test_demo_checks_the_file_before_anything_starts_and_hands_its_keys_to_its_p
         "KVPORT_LOAD_DEADLINE": "2.0:3.0:20.0", "KVPORT_SERVER_CAPACITY": ""}  # the demo sizes its server itself
     dl = Settings.from_env().load_deadline
     assert (dl.min_s, dl.factor, dl.max_s) == (2.0, 3.0, 20.0)
+
+
+def test_exported_variables_hold_inside_the_block_and_are_as_they_were_after(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvport.config import exported, memops_choice
+
+    monkeypatch.setenv("KVPORT_TEST_SET", "before")
+    monkeypatch.delenv("KVPORT_TEST_UNSET", raising=False)
+    monkeypatch.setenv("KVPORT_MEMOPS", " AVX2 ")
+    with exported({"KVPORT_TEST_SET": "inside", "KVPORT_TEST_UNSET": "new", "KVPORT_MEMOPS": None}):
+        assert os.environ["KVPORT_TEST_SET"] == "inside" and os.environ["KVPORT_TEST_UNSET"] == "new"
+        assert "KVPORT_MEMOPS" not in os.environ and memops_choice() is None
+    assert os.environ["KVPORT_TEST_SET"] == "before" and "KVPORT_TEST_UNSET" not in os.environ
+    assert memops_choice() == "avx2"
+    with pytest.raises(RuntimeError), exported({"KVPORT_TEST_SET": "inside"}):
+        raise RuntimeError
+    assert os.environ["KVPORT_TEST_SET"] == "before"  # restored after a failure too
